@@ -1,0 +1,152 @@
+"""The job configuration: one dataclass per section, each field with a default and a one-line help.
+
+Fields are declared with :func:`opt`; the manager reads the help text and the allowed choices from the
+field metadata to build ``--help``, convert CLI strings and validate values. ``None`` defaults on model
+fields mean "take the value from the model spec's flavor".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A config field with a help line and optional allowed values."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    name: str = opt("debug", "Run name; the run folder is <dump_folder>/<name>.")
+    dump_folder: str = opt("./outputs", "Folder that holds run folders.")
+    description: str = opt("", "Free text saved with the run.")
+    dry_run: bool = opt(False, "Plan only: build on the meta device, print params/FLOPs/memory per rank, exit.")
+
+
+@dataclass
+class Model:
+    name: str = opt("pre_ln", "Model spec (see the registry: pre_ln, op, angpt, ngpt).")
+    flavor: str = opt("debug", "Named size of the spec (e.g. debug, gpt2_124m, llama_1b).")
+    norm: str | None = opt(None, "pre_ln: norm type.", ("layernorm", "rmsnorm", "rmsnorm_single"))
+    softmax: str | None = opt(None, "Attention normaliser: softmax, or exact softmax-1 (zero sink).",
+                              ("softmax", "softmax1"))
+    pos_encoding: str | None = opt(None, "Position encoding.", ("learned", "rope", "none"))
+    bias: bool | None = opt(None, "Biases in linear layers and norms.")
+    qk_norm: bool | None = opt(None, "Per-head RMSNorm on queries and keys (GPT+).")
+    mlp: str | None = opt(None, "MLP type.", ("gelu", "swiglu", "relu"))
+    tie_embeddings: bool | None = opt(None, "Share input embedding and output head weights.")
+    vocab_size: int | None = opt(None, "Vocabulary size; default: the tokenizer's, padded to a multiple of 64.")
+    max_seq_len: int | None = opt(None, "Longest sequence for learned positions / RoPE; default training.seq_len.")
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("adamw", "Optimizer.", ("adamw", "adam", "sgd", "rmsprop", "orthoadam", "soap"))
+    lr: float = opt(3e-4, "Peak learning rate.")
+    beta1: float = opt(0.9, "Adam beta1 (SGD/RMSProp: momentum).")
+    beta2: float = opt(0.95, "Adam beta2 (RMSProp: alpha).")
+    eps: float = opt(1e-8, "Adam/RMSProp epsilon.")
+    weight_decay: float = opt(0.1, "Decoupled weight decay (AdamW-style) for decayed parameters.")
+    momentum: bool = opt(True, "SGD: use momentum beta1 (false = plain SGD).")
+    no_decay: list = opt(["norm", "bias", "embedding"],
+                         "Parameter classes without weight decay: any of norm, bias, embedding, gain.")
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(10, "Linear warm-up steps (from lr/warmup_steps to lr).")
+    decay: str = opt("cosine", "Shape after warm-up.", ("cosine", "linear", "constant", "wsd"))
+    decay_ratio: float = opt(0.2, "wsd: fraction of total steps spent in the final linear decay.")
+    min_lr_ratio: float = opt(0.1, "Floor of the schedule as a fraction of lr.")
+    total_steps: int | None = opt(None, "Length of the schedule; default training.steps.")
+
+
+@dataclass
+class Training:
+    steps: int = opt(200, "Optimizer steps to train.")
+    global_batch_size: int = opt(16, "Sequences per optimizer step over all data-parallel ranks.")
+    micro_batch_size: int | None = opt(
+        None, "Sequences per forward pass per DP rank; default global/dp (no accumulation).")
+    seq_len: int = opt(256, "Tokens per sequence.")
+    seed: int = opt(0, "Seed for init and data order.")
+    max_norm: float = opt(1.0, "Gradient clipping norm (0 = off).")
+    mixed_precision_param: str = opt("bfloat16", "Compute dtype of parameters on GPU (CPU always float32).",
+                                     ("bfloat16", "float32"))
+    mixed_precision_reduce: str = opt("float32", "Gradient reduce dtype.", ("bfloat16", "float32"))
+    device: str = opt("auto", "Device type: auto (cuda if available), cuda or cpu.", ("auto", "cuda", "cpu"))
+
+
+@dataclass
+class Data:
+    source: str = opt("embedded", "Corpus: 'embedded' (this Python's stdlib source), a file/folder of "
+                                  ".txt/.jsonl/.parquet, or an HF dataset name (c4, fineweb).")
+    tokenizer: str = opt("embedded", "'embedded' (shipped BPE), a tiktoken BPE rank file, or tiktoken:<encoding>.")
+    text_field: str = opt("text", "Field with the text in jsonl/parquet/HF records.")
+    val_fraction: float = opt(0.02, "Fraction of documents (by file) held out for validation.")
+
+
+@dataclass
+class Parallelism:
+    dp_replicate: int = opt(1, "HSDP replicate degree.")
+    dp_shard: int = opt(-1, "FSDP shard degree (-1 = fill the remaining ranks).")
+    tp: int = opt(1, "Tensor-parallel degree.")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = opt(False, "Save DCP checkpoints under <run>/checkpoints/step-<N>.")
+    interval: int = opt(100, "Save every N steps (and at the last step).")
+    keep_latest_k: int = opt(3, "Keep this many newest checkpoints (0 = keep all).")
+    load_step: int = opt(-1, "Resume from this step (-1 = newest complete checkpoint, 0 = do not resume).")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = opt("none", "Activation checkpointing.", ("none", "full", "selective"))
+    selective_every: int = opt(2, "selective: checkpoint every k-th block (0 = op-level: save matmul outputs).")
+
+
+@dataclass
+class Compile:
+    enable: bool = opt(False, "torch.compile each transformer block and the loss.")
+
+
+@dataclass
+class Metrics:
+    log_every: int = opt(10, "Log loss/lr/grad norm/throughput every N steps.")
+    tensorboard: bool = opt(True, "Write TensorBoard events under <run>/tb.")
+
+
+@dataclass
+class Eval:
+    every: int = opt(0, "Validation loss every N steps (0 = off).")
+    steps: int = opt(4, "Validation batches per evaluation.")
+
+
+@dataclass
+class Observe:
+    every: int = opt(0, "Outlier probe every N steps (0 = off).")
+    batch_size: int = opt(4, "Sequences in the fixed held-out probe batch.")
+    mode: str = opt("full", "cheap: residual-stream metrics only; full: also attention and pictures.",
+                    ("cheap", "full"))
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    data: Data = field(default_factory=Data)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    eval: Eval = field(default_factory=Eval)
+    observe: Observe = field(default_factory=Observe)

@@ -1,0 +1,245 @@
+"""TOML + ``--section.key value`` loading, type conversion, validation and ``--help``.
+
+Precedence: CLI > TOML file > dataclass defaults. Every error is a :class:`ConfigError` whose message is
+one line naming the key and what is allowed; ``train.py`` prints it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from outlier_titan.config.job_config import JobConfig
+from outlier_titan.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(UserError):
+    """A bad configuration; the message is one line meant for the user."""
+
+
+def _sections(cfg: JobConfig) -> dict[str, Any]:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def _field_map(section: Any) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(section)}
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid: {', '.join(sorted(options))}"
+
+
+def _hint_type(section: Any, key: str) -> tuple[type, bool]:
+    """The base type of a field and whether it accepts None."""
+    hint = typing.get_type_hints(type(section))[key]
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        return non_none[0], len(non_none) != len(args)
+    origin = typing.get_origin(hint)
+    return (origin or hint), False
+
+
+def _convert(value: Any, key: str, base: type, optional: bool, from_cli: bool) -> Any:
+    """Converts a TOML value or CLI string to the field's type; raises ConfigError on mismatch."""
+    if optional and (value is None or (from_cli and isinstance(value, str) and value.lower() in ("none", "null"))):
+        return None
+    want = base.__name__
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_cli and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif base is str:
+        if isinstance(value, str):
+            return value
+    elif base is list:
+        if isinstance(value, list):
+            return [str(v) for v in value]
+        if from_cli and isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+    raise ConfigError(f"{key}: expected {want}{' or none' if optional else ''}, got {value!r}")
+
+
+def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
+    if "." not in dotted:
+        raise ConfigError(f"'{dotted}': keys are written section.key (e.g. training.steps)")
+    sec_name, key = dotted.split(".", 1)
+    sections = _sections(cfg)
+    if sec_name not in sections:
+        raise ConfigError(f"unknown section '{sec_name}'{_suggest(sec_name, list(sections))}")
+    section = sections[sec_name]
+    fields = _field_map(section)
+    if key not in fields:
+        raise ConfigError(f"unknown key '{dotted}'{_suggest(key, list(fields))}")
+    base, optional = _hint_type(section, key)
+    converted = _convert(value, dotted, base, optional, from_cli)
+    choices = fields[key].metadata.get("choices")
+    if choices and converted is not None and converted not in choices:
+        raise ConfigError(f"{dotted} = {converted!r} is not allowed; choose one of: {', '.join(choices)}")
+    setattr(section, key, converted)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {path} (pass an existing TOML file, e.g. train_configs/debug.toml)")
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+
+def parse_args(argv: list[str]) -> JobConfig:
+    """Builds a validated JobConfig from ``--config FILE`` and ``--section.key value`` arguments."""
+    cfg = JobConfig()
+    config_file, overrides = None, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(help_text())
+            raise SystemExit(0)
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}' (options are --config FILE and --section.key value)")
+        name, eq, val = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                val = argv[i + 1]
+                i += 1
+            elif name == "job.dry_run" or name == "dry_run":
+                val = "true"
+            else:
+                raise ConfigError(f"--{name} needs a value")
+        if name == "config":
+            config_file = val
+        elif name == "dry_run":
+            overrides.append(("job.dry_run", val))
+        else:
+            overrides.append((name, val))
+        i += 1
+    if config_file is not None:
+        for sec_name, table in load_toml(config_file).items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{config_file}: top-level key '{sec_name}' must be a [section] table")
+            for key, value in table.items():
+                _set(cfg, f"{sec_name}.{key}", value, from_cli=False)
+    for name, val in overrides:
+        _set(cfg, name, val, from_cli=True)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks values and combinations that the types alone do not catch."""
+    t, p = cfg.training, cfg.parallelism
+
+    def positive(key: str, v: float, allow_zero: bool = False) -> None:
+        if v < 0 or (v == 0 and not allow_zero) or (isinstance(v, float) and not math.isfinite(v)):
+            raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {v}")
+
+    positive("training.steps", t.steps)
+    positive("training.global_batch_size", t.global_batch_size)
+    positive("training.seq_len", t.seq_len)
+    positive("training.max_norm", t.max_norm, allow_zero=True)
+    positive("optimizer.lr", cfg.optimizer.lr)
+    positive("optimizer.eps", cfg.optimizer.eps)
+    positive("optimizer.weight_decay", cfg.optimizer.weight_decay, allow_zero=True)
+    positive("metrics.log_every", cfg.metrics.log_every)
+    positive("checkpoint.interval", cfg.checkpoint.interval)
+    positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, allow_zero=True)
+    positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, allow_zero=True)
+    positive("eval.every", cfg.eval.every, allow_zero=True)
+    positive("observe.every", cfg.observe.every, allow_zero=True)
+    for name in ("beta1", "beta2"):
+        b = getattr(cfg.optimizer, name)
+        if not 0 <= b < 1:
+            raise ConfigError(f"optimizer.{name} must be in [0, 1), got {b}")
+    if not 0 <= cfg.lr_scheduler.min_lr_ratio <= 1:
+        raise ConfigError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {cfg.lr_scheduler.min_lr_ratio}")
+    if not 0 < cfg.lr_scheduler.decay_ratio <= 1:
+        raise ConfigError(f"lr_scheduler.decay_ratio must be in (0, 1], got {cfg.lr_scheduler.decay_ratio}")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    for name in ("dp_replicate", "tp"):
+        positive(f"parallelism.{name}", getattr(p, name))
+    if p.dp_shard == 0 or p.dp_shard < -1:
+        raise ConfigError(f"parallelism.dp_shard must be -1 (fill) or >= 1, got {p.dp_shard}")
+    if t.micro_batch_size is not None:
+        positive("training.micro_batch_size", t.micro_batch_size)
+    bad = set(cfg.optimizer.no_decay) - {"norm", "bias", "embedding", "gain"}
+    if bad:
+        raise ConfigError(f"optimizer.no_decay: unknown class {sorted(bad)}; allowed: norm, bias, embedding, gain")
+    if t.steps < cfg.lr_scheduler.warmup_steps and cfg.lr_scheduler.total_steps is None and t.steps > 1:
+        raise ConfigError(f"lr_scheduler.warmup_steps ({cfg.lr_scheduler.warmup_steps}) exceeds training.steps "
+                          f"({t.steps}); lower warmup_steps or set lr_scheduler.total_steps")
+
+
+def help_text() -> str:
+    lines = ["usage: train.py --config FILE.toml [--section.key value ...] [--dry_run]", "",
+             "Every key below can be set in the TOML file ([section] key = value) or on the command line."]
+    for sec_name, section in _sections(JobConfig()).items():
+        lines.append(f"\n[{sec_name}]")
+        for f in dataclasses.fields(section):
+            default = getattr(section, f.name)
+            choices = f.metadata.get("choices")
+            extra = f" {{{'|'.join(choices)}}}" if choices else ""
+            lines.append(f"  --{sec_name}.{f.name:<24} default {default!r}{extra}")
+            lines.append(f"      {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """Serialises the resolved config (None values are omitted: they mean 'spec default')."""
+    out = []
+    for sec_name, section in _sections(cfg).items():
+        out.append(f"[{sec_name}]")
+        for f in dataclasses.fields(section):
+            v = getattr(section, f.name)
+            if v is not None:
+                out.append(f"{f.name} = {_toml_value(v)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
