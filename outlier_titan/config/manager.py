@@ -199,9 +199,6 @@ def validate(cfg: JobConfig) -> None:
     bad = set(cfg.optimizer.no_decay) - {"norm", "bias", "embedding", "gain"}
     if bad:
         raise ConfigError(f"optimizer.no_decay: unknown class {sorted(bad)}; allowed: norm, bias, embedding, gain")
-    if t.steps < cfg.lr_scheduler.warmup_steps and cfg.lr_scheduler.total_steps is None and t.steps > 1:
-        raise ConfigError(f"lr_scheduler.warmup_steps ({cfg.lr_scheduler.warmup_steps}) exceeds training.steps "
-                          f"({t.steps}); lower warmup_steps or set lr_scheduler.total_steps")
 
 
 def help_text() -> str:

@@ -1,0 +1,194 @@
+"""Layers shared by the model specs: norms, RoPE, attention (softmax / exact softmax-1), MLPs.
+
+Conventions every spec follows (the TP plans, FSDP placements, optimizer and probe rely on them):
+linear weights are named ``wq, wk, wv, wo`` (attention) and ``w1, w2, w3`` (MLP; w2 is the output
+projection); ``wo`` and ``w2`` map back into the residual stream. Heads are inferred from the local
+weight shapes at run time, so a tensor-parallel shard sees only its local heads.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a per-channel gain (``gain="vector"``), one shared scalar gain (``"scalar"``:
+    seed 000's RMSNormSingle) or no gain (``"none"``: OP's Pre-SRMS)."""
+
+    is_norm = True
+
+    def __init__(self, dim: int, eps: float = 1e-6, gain: str = "vector"):
+        super().__init__()
+        self.eps, self.gain_kind = eps, gain
+        if gain == "vector":
+            self.weight = nn.Parameter(torch.empty(dim))
+        elif gain == "scalar":
+            self.weight = nn.Parameter(torch.empty(1))
+        elif gain == "none":
+            self.register_parameter("weight", None)
+        else:
+            raise ValueError(f"unknown RMSNorm gain {gain!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = y.type_as(x)
+        return y if self.weight is None else y * self.weight
+
+    def init_weights(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm with an ``init_weights`` like the other layers."""
+
+    def init_weights(self) -> None:
+        self.reset_parameters()
+
+
+def build_norm(kind: str, dim: int, eps: float, bias: bool) -> nn.Module:
+    """layernorm | rmsnorm | rmsnorm_single | rmsnorm_nogain | none."""
+    if kind == "layernorm":
+        return LayerNorm(dim, eps=eps, bias=bias)
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps, "vector")
+    if kind == "rmsnorm_single":
+        return RMSNorm(dim, eps, "scalar")
+    if kind == "rmsnorm_nogain":
+        return RMSNorm(dim, eps, "none")
+    if kind == "none":
+        return nn.Identity()
+    raise ValueError(f"unknown norm {kind!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Standard RoPE, half-split pairing (i, i + d_h/2), tables as non-persistent buffers."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2), persistent=False)
+
+    def init_weights(self) -> None:
+        inv = self.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=self.cos.device)
+                             / self.head_dim)
+        ang = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64, device=self.cos.device), inv)
+        self.cos.copy_(ang.cos())
+        self.sin.copy_(ang.sin())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, H, T, d_h]."""
+        t = x.shape[-2]
+        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+def explicit_attention_probs(q: torch.Tensor, k: torch.Tensor, softmax: str, scale: float) -> torch.Tensor:
+    """Causal attention probabilities [B, H, T, T] computed explicitly (softmax-1 rows sum to < 1)."""
+    t = q.shape[-2]
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    if softmax == "softmax1":
+        m = s.amax(-1, keepdim=True).clamp_min(0.0)  # sink logit is 0, so the running max starts at 0
+        e = torch.exp(s - m)
+        return e / (torch.exp(-m) + e.sum(-1, keepdim=True))
+    return torch.softmax(s, dim=-1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax: str, scale: float | None = None,
+              prob_hook: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Causal attention over [B, H, T, d_h] tensors (k, v may have fewer heads: GQA).
+
+    ``softmax1`` is exact: a zero key and zero value row is prepended to q, k and v and the fused SDPA runs
+    with ``is_causal=True`` on T+1 positions, so every query sees the sink (logit 0, value 0) plus its causal
+    prefix; output row 0 is dropped. With ``prob_hook`` the probabilities are computed explicitly (for the
+    outlier probe) and passed to the hook.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if prob_hook is not None:
+        p = explicit_attention_probs(q, k, softmax, scale)
+        prob_hook(p)
+        return (p @ v.float()).to(q.dtype)
+    if softmax == "softmax1":
+        pad = (0, 0, 1, 0)
+        out = F.scaled_dot_product_attention(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), is_causal=True,
+                                             scale=scale)
+        return out[:, :, 1:]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+class Attention(nn.Module):
+    """Multi-head (grouped-query) causal self-attention with optional RoPE and per-head QK RMSNorm."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, bias: bool, softmax: str,
+                 qk_norm: bool = False, rope: RotaryEmbedding | None = None, norm_eps: float = 1e-6):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.softmax = softmax
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.rope = rope
+        self.prob_hook: Callable[[torch.Tensor], None] | None = None
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T, D] -> q, k, v as [B, H_local, T, d_h], with QK-norm and RoPE applied."""
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            q, k = self.rope(q), self.rope(k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project_qkv(x)
+        out = attention(q, k, v, self.softmax, prob_hook=self.prob_hook)
+        b, _, t, _ = out.shape
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """gelu / relu: w2(act(w1 x)); swiglu: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int, kind: str, bias: bool):
+        super().__init__()
+        self.kind = kind
+        self.w1 = nn.Linear(dim, hidden, bias=bias)
+        self.w2 = nn.Linear(hidden, dim, bias=bias)
+        self.w3 = nn.Linear(dim, hidden, bias=bias) if kind == "swiglu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w1(x)
+        if self.kind == "swiglu":
+            h = F.silu(h) * self.w3(x)
+        elif self.kind == "gelu":
+            h = F.gelu(h, approximate="tanh")
+        elif self.kind == "relu":
+            h = F.relu(h)
+        else:
+            raise ValueError(f"unknown mlp {self.kind!r}")
+        return self.w2(h)
+
+
+def init_norms(module: nn.Module) -> None:
+    """Calls init_weights on every norm / rotary table below ``module``."""
+    for m in module.modules():
+        if isinstance(m, (RMSNorm, LayerNorm, RotaryEmbedding)):
+            m.init_weights()

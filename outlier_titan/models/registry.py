@@ -1,0 +1,119 @@
+"""Model-spec registry: a spec name maps to its args dataclass, flavors, builder, TP plan and post-step hook.
+
+Every model built from a spec exposes ``tok_embeddings``, ``layers`` (an ``nn.ModuleDict`` of blocks, each
+mapping the residual stream to the residual stream), ``norm`` (final norm or ``nn.Identity``), ``output``
+(the LM head, or None when tied), ``init_weights(initializer)`` and ``forward(tokens) -> logits``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from outlier_titan.config.job_config import Model as ModelConfig
+from outlier_titan.config.manager import ConfigError
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    args_cls: type
+    flavors: dict[str, dict[str, Any]]
+    build: Callable[[Any], nn.Module]
+    tp_plan: Callable[[nn.Module, Any, Any], None] | None = None
+    post_step: Callable[[nn.Module], None] | None = None
+    description: str = ""
+    train_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+_SPECS: dict[str, ModelSpec] = {}
+_BUILTIN = ("pre_ln", "op", "angpt", "ngpt")
+
+
+def register_spec(spec: ModelSpec) -> None:
+    _SPECS[spec.name] = spec
+
+
+def get_spec(name: str) -> ModelSpec:
+    if name not in _SPECS and name in _BUILTIN:
+        try:
+            importlib.import_module(f"outlier_titan.models.{name}")
+        except ModuleNotFoundError:
+            pass
+    if name not in _SPECS:
+        available = sorted(set(_SPECS) | {n for n in _BUILTIN if _spec_module_exists(n)})
+        raise ConfigError(f"model.name = {name!r} is not a model spec; available: {', '.join(available)}")
+    return _SPECS[name]
+
+
+def _spec_module_exists(name: str) -> bool:
+    return importlib.util.find_spec(f"outlier_titan.models.{name}") is not None
+
+
+def model_args(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[ModelSpec, Any]:
+    """The spec and its args: flavor values, then every non-None ``model.*`` override the spec supports."""
+    spec = get_spec(model_cfg.name)
+    if model_cfg.flavor not in spec.flavors:
+        raise ConfigError(f"model.flavor = {model_cfg.flavor!r} is not a flavor of '{spec.name}'; "
+                          f"available: {', '.join(spec.flavors)}")
+    values = dict(spec.flavors[model_cfg.flavor])
+    arg_names = {f.name for f in dataclasses.fields(spec.args_cls)}
+    for f in dataclasses.fields(model_cfg):
+        if f.name in ("name", "flavor"):
+            continue
+        v = getattr(model_cfg, f.name)
+        if v is None:
+            continue
+        if f.name not in arg_names:
+            raise ConfigError(f"model.{f.name} is not an option of model spec '{spec.name}'; remove it "
+                              f"(options: {', '.join(sorted(arg_names & _model_keys()))})")
+        values[f.name] = v
+    if model_cfg.vocab_size is None and "vocab_size" in arg_names:
+        values["vocab_size"] = pad_vocab(vocab_size)
+    if model_cfg.max_seq_len is None and "max_seq_len" in arg_names:
+        values["max_seq_len"] = seq_len
+    args = spec.args_cls(**values)
+    if "vocab_size" in arg_names and args.vocab_size < vocab_size:
+        raise ConfigError(f"model.vocab_size = {args.vocab_size} is smaller than the tokenizer's {vocab_size}")
+    if "max_seq_len" in arg_names and args.max_seq_len < seq_len:
+        raise ConfigError(f"training.seq_len = {seq_len} exceeds model.max_seq_len = {args.max_seq_len}")
+    validate = getattr(args, "validate", None)
+    if validate is not None:
+        validate()
+    return spec, args
+
+
+def _model_keys() -> set[str]:
+    return {f.name for f in dataclasses.fields(ModelConfig)} - {"name", "flavor"}
+
+
+def pad_vocab(n: int, multiple: int = 64) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Parameter count (tied weights once); optionally without token/position embedding tables."""
+    seen, total = set(), 0
+    for mod_name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if exclude_embeddings and isinstance(module, nn.Embedding):
+                continue
+            total += p.numel()
+    return total
+
+
+def flops_per_token(model: nn.Module, n_layers: int, dim: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x matmul params (head included, embedding lookups excluded) plus the
+    causal attention term 6 x layers x dim x seq_len (QK^T and PV, forward and backward, half masked)."""
+    matmul_params = count_params(model, exclude_embeddings=True)
+    head = getattr(model, "output", None)
+    if head is None:  # tied head: the embedding matrix is used as a matmul once
+        matmul_params += model.tok_embeddings.weight.numel()
+    return 6.0 * matmul_params + 6.0 * n_layers * dim * seq_len

@@ -1,0 +1,133 @@
+"""Training metrics: one console line, ``metrics.jsonl`` and TensorBoard, written by rank 0.
+
+Also throughput, MFU (against a peak looked up by device name; omitted, with a warning, when the device is
+unknown or a CPU) and peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# Dense bf16 peak FLOP/s by device-name substring, most specific first.
+PEAK_BF16_FLOPS = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("GH200", 989e12),
+    ("B200", 2.25e15),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+    ("MI300X", 1307e12),
+    ("MI325X", 1307e12),
+    ("MI355X", 2500e12),
+)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak dense bf16 FLOP/s of the device, or None when unknown (MFU is then not reported)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16_FLOPS:
+        if key in name:
+            return value
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class MetricsLogger:
+    """Writes scalars (and images) for logged steps. Only rank 0 writes; other ranks no-op."""
+
+    def __init__(self, run_dir: Path, rank: int, tensorboard: bool):
+        self.enabled = rank == 0
+        self.jsonl = None
+        self.tb = None
+        if not self.enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+
+    def log(self, step: int, scalars: dict[str, float], images: dict[str, np.ndarray] | None = None,
+            console: str | None = None) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _json_float(v) for k, v in scalars.items()}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in scalars.items():
+                if v is not None and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            for k, img in (images or {}).items():
+                self.tb.add_image(k, img, step, dataformats="HWC")
+            self.tb.flush()
+        if console:
+            print(console, flush=True)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _json_float(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class Throughput:
+    """Tokens/s and MFU between two log points."""
+
+    def __init__(self, flops_per_token: float, device: torch.device, world_size: int):
+        self.flops_per_token = flops_per_token
+        self.device = device
+        self.world_size = world_size
+        self.peak = peak_flops(device)
+        if device.type == "cuda" and self.peak is None:
+            print(f"warning: unknown peak FLOP/s for {torch.cuda.get_device_name(device)}; MFU is not reported",
+                  file=sys.stderr)
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def read(self) -> dict[str, float]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        tps = self.tokens / dt
+        out = {"tokens_per_second": tps, "tokens_per_second_per_device": tps / self.world_size}
+        if self.peak is not None:
+            out["mfu"] = 100.0 * self.flops_per_token * tps / self.world_size / self.peak
+        self.reset()
+        return out

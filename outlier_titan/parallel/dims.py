@@ -1,0 +1,88 @@
+"""Parallel degrees -> a named DeviceMesh ("dp_replicate", "dp_shard", "tp")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from outlier_titan.config.job_config import Parallelism
+from outlier_titan.config.manager import ConfigError
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: Parallelism, world_size: int) -> "ParallelDims":
+        """Resolves dp_shard = -1 and checks that the degrees multiply to the world size."""
+        dp_shard = cfg.dp_shard
+        other = cfg.dp_replicate * cfg.tp
+        if dp_shard == -1:
+            if world_size % other:
+                raise ConfigError(f"parallelism: dp_replicate x tp = {other} does not divide the world size "
+                                  f"{world_size}; choose degrees whose product divides it")
+            dp_shard = world_size // other
+        if cfg.dp_replicate * dp_shard * cfg.tp != world_size:
+            raise ConfigError(f"parallelism: dp_replicate ({cfg.dp_replicate}) x dp_shard ({dp_shard}) x tp "
+                              f"({cfg.tp}) = {cfg.dp_replicate * dp_shard * cfg.tp} but the world size is "
+                              f"{world_size}; set parallelism.dp_shard = -1 to fill")
+        return cls(cfg.dp_replicate, dp_shard, cfg.tp, world_size)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: the number of distinct batch shards."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+
+
+def dp_rank(mesh: DeviceMesh) -> int:
+    return mesh["dp"].get_local_rank()
+
+
+def device_type_for(setting: str) -> str:
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device = 'cuda' but no CUDA device is visible; use auto or cpu")
+    return setting
+
+
+def init_distributed(device_type: str) -> tuple[int, int]:
+    """Initialises the default process group (NCCL on GPU, gloo on CPU); returns (rank, world_size).
+
+    A plain ``python train.py`` (no torchrun) runs as world size 1 through the same code path.
+    """
+    import os
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

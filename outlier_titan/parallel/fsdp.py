@@ -1,0 +1,50 @@
+"""FSDP2 (``fully_shard``) per block and on the root, with residual-axis-preserving shard placements.
+
+Placement of every weight (global shape -> FSDP shard dim):
+  wq, wk, wv, w1, w3   [out, d_model]  Shard(0)   (the output / head axis)
+  wo, w2               [d_model, in]   Shard(1)   (the input axis; d_model rows stay whole)
+  tok_embeddings, output, pos_embeddings [V or T, d_model]  Shard(0)
+  1-D gains and biases                                     Shard(0)
+So the residual (d_model) axis of every matrix stays unsharded on the FSDP mesh, which lets the tile
+optimizers rotate along it without communication. With TP the same dims are also the TP dims, and FSDP
+composes as ``_StridedShard`` on the same axis.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+RESIDUAL_INPUT_WEIGHTS = ("wo", "w2")
+
+
+def shard_dim_for(fqn: str, param: nn.Parameter) -> int:
+    """The FSDP shard dim of a parameter, from its module name (see the module docstring)."""
+    parts = fqn.split(".")
+    if param.ndim == 2 and len(parts) >= 2 and parts[-2] in RESIDUAL_INPUT_WEIGHTS and parts[-1] == "weight":
+        return 1
+    return 0
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               reshard_after_forward: bool = True) -> None:
+    """fully_shard on every block, then on the root (embeddings, final norm and head)."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    dims = {p: shard_dim_for(n, p) for n, p in model.named_parameters()}
+
+    def placement(p: nn.Parameter) -> Shard:
+        return Shard(dims.get(p, 0))
+
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=placement)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, shard_placement_fn=placement)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            # Loss is already divided by the global token count: FSDP must only sum.
+            module.set_gradient_divide_factor(1.0)
+            if dp_mesh.device_type != "cuda":
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM

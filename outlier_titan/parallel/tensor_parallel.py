@@ -1,0 +1,99 @@
+"""Megatron-style tensor parallelism with sequence parallelism, via ``parallelize_module``.
+
+Residual stream between blocks: local tensors sharded on the sequence dim (Shard(1)).
+  norms (attention_norm, ffn_norm, final norm)  SequenceParallel (params Replicate, grads reduced by DTensor)
+  attention / feed_forward inputs               all-gather sequence -> Replicate
+  wq, wk, wv, w1, w3                            ColwiseParallel   (weight Shard(0): local heads / hidden)
+  wo, w2                                        RowwiseParallel   (weight Shard(1)), reduce-scatter -> Shard(1)
+  q_norm, k_norm (per head)                     Replicate params over the local-head dim (Shard(1) of q/k)
+  tok_embeddings                                vocab-parallel (RowwiseParallel, weight Shard(0))
+  output (untied)                               ColwiseParallel, logits gathered to Replicate
+With learned positions the embedding output is kept Replicate (positions are added to the full sequence) and
+block 0 takes its sequence shard locally (no communication).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from outlier_titan.config.manager import ConfigError
+
+
+def check_divisible(tp: int, **sizes: int) -> None:
+    for name, n in sizes.items():
+        if n % tp:
+            raise ConfigError(f"parallelism.tp = {tp} does not divide {name} = {n}; choose a tp that divides it")
+
+
+def _gather_output(module: nn.Module, inputs, output):
+    return output.full_tensor() if isinstance(output, DTensor) else output
+
+
+def tp_block_plan(block: nn.Module, *, norms: bool = True) -> dict:
+    """The per-block plan for blocks built from ``layers.Attention`` and ``layers.MLP``.
+
+    ``norms=False`` for blocks without pre-norms (OP): the sub-layer inputs are then prepared from the
+    sequence-sharded residual stream directly.
+    """
+    plan = {
+        "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    if getattr(block.feed_forward, "w3", None) is not None:
+        plan["feed_forward.w3"] = ColwiseParallel()
+    if getattr(block.attention, "q_norm", None) is not None:
+        # q, k are [B, H_local, T, d_h]: the head dim (1) is the sharded one.
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+    if norms:
+        for name in ("attention_norm", "ffn_norm"):
+            if _has_params_or_module(block, name):
+                plan[name] = SequenceParallel()
+    return plan
+
+
+def _has_params_or_module(block: nn.Module, name: str) -> bool:
+    m = getattr(block, name, None)
+    return m is not None and not isinstance(m, nn.Identity)
+
+
+def apply_standard_tp(model: nn.Module, tp_mesh: DeviceMesh, args, *, block_norms: bool = True) -> None:
+    """TP + sequence parallel for a model with tok_embeddings / layers / norm / output."""
+    tp = tp_mesh.size()
+    check_divisible(tp, n_heads=args.n_heads, n_kv_heads=getattr(args, "n_kv_heads", args.n_heads),
+                    vocab_size=args.vocab_size)
+    learned_pos = getattr(model, "pos_embeddings", None) is not None
+    root = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(),
+                                              output_layouts=Replicate() if learned_pos else Shard(1))}
+    final_norm = getattr(model, "norm", None)
+    has_final_norm = final_norm is not None and not isinstance(final_norm, nn.Identity)
+    if has_final_norm:
+        root["norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:
+        root["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    parallelize_module(model, tp_mesh, root)
+    for i, block in enumerate(model.layers.values()):
+        plan = tp_block_plan(block, norms=block_norms)
+        parallelize_module(block, tp_mesh, plan)
+        if i == 0 and learned_pos:
+            # Full sequence in, local sequence shard out: a local chunk, no communication.
+            parallelize_module(block, tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                                  desired_input_layouts=(Shard(1),),
+                                                                  use_local_output=True))
+    if getattr(model, "output", None) is None or not has_final_norm:
+        model.register_forward_hook(_gather_output)

@@ -1,0 +1,294 @@
+"""Set-up order and the step loop (DESIGN.md §3).
+
+mesh -> tokenizer -> meta model -> parallelize (TP -> AC -> compile -> FSDP2) -> materialise + init ->
+optimizer -> LR schedule -> data -> checkpoint load -> steps.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from outlier_titan.checkpoint.manager import Checkpointer, ModelState, OptimizerState
+from outlier_titan.config.job_config import JobConfig
+from outlier_titan.config.manager import ConfigError, to_toml
+from outlier_titan.data import build_dataloader, build_tokenizer
+from outlier_titan.models.init import Initializer
+from outlier_titan.models.registry import count_params, flops_per_token, model_args
+from outlier_titan.observe.logger import MetricsLogger, Throughput, peak_memory_gib
+from outlier_titan.optim.builder import build_optimizer
+from outlier_titan.optim.lr_schedule import build_lr_scheduler
+from outlier_titan.parallel.dims import ParallelDims, device_type_for, init_distributed
+from outlier_titan.parallel.grads import clip_grads, grad_norm
+from outlier_titan.parallel.parallelize import parallelize
+
+
+class TrainState:
+    """Step counter, skipped-step count and RNG, checkpointed with the run."""
+
+    def __init__(self):
+        self.step = 0
+        self.skipped_steps = 0
+
+    def state_dict(self):
+        return {"step": self.step, "skipped_steps": self.skipped_steps, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+        self.skipped_steps = int(state["skipped_steps"])
+        torch.set_rng_state(state["rng"])
+
+
+def batch_layout(cfg: JobConfig, dp: int) -> tuple[int, int, int]:
+    """(local batch, micro batch, accumulation steps) per DP rank, validated."""
+    t = cfg.training
+    if t.global_batch_size % dp:
+        raise ConfigError(f"training.global_batch_size = {t.global_batch_size} is not divisible by the "
+                          f"data-parallel degree {dp}")
+    local = t.global_batch_size // dp
+    micro = t.micro_batch_size or local
+    if local % micro:
+        raise ConfigError(f"training.micro_batch_size = {micro} does not divide the per-rank batch {local} "
+                          f"(global_batch_size {t.global_batch_size} / dp {dp})")
+    return local, micro, local // micro
+
+
+def build_model(cfg: JobConfig, vocab_size: int):
+    """The spec, its args and the model on the meta device."""
+    spec, args = model_args(cfg.model, vocab_size, cfg.training.seq_len)
+    with torch.device("meta"):
+        model = spec.build(args)
+    return spec, args, model
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        device_type = device_type_for(cfg.training.device)
+        self.rank, self.world_size = init_distributed(device_type)
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
+                       else torch.device("cpu"))
+        self.dims = ParallelDims.from_config(cfg.parallelism, self.world_size)
+        self.mesh = self.dims.build_mesh(device_type)
+        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.local_batch, self.micro_batch, self.accum_steps = batch_layout(cfg, self.dims.dp)
+        self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
+        self.config_toml = to_toml(cfg)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(self.config_toml)
+        torch.manual_seed(cfg.training.seed)
+
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        self.spec, self.args, self.model = build_model(cfg, self.tokenizer.vocab_size)
+        self.n_params = count_params(self.model)
+        self.flops_per_token = flops_per_token(self.model, self.model_layers(), self.model_dim(),
+                                               cfg.training.seq_len)
+        parallelize(self.model, self.spec, self.args, cfg, self.dims, self.mesh, device_type)
+        self.model.to_empty(device=self.device)
+        self.model.init_weights(Initializer(cfg.training.seed, self.device))
+        if self.spec.post_step is not None:
+            self.spec.post_step(self.model)
+        self.model.train()
+
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, seed=cfg.training.seed)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        data_kwargs = dict(seq_len=cfg.training.seq_len, global_batch_size=cfg.training.global_batch_size,
+                           micro_batch_size=self.micro_batch, dp_rank=self.dp_rank, dp_degree=self.dims.dp,
+                           seed=cfg.training.seed)
+        self.train_loader = build_dataloader(cfg.data, self.tokenizer, split="train", **data_kwargs)
+        self.train_iter = iter(self.train_loader)
+        self.state = TrainState()
+        self.checkpointer = Checkpointer(
+            self.run_dir / "checkpoints", cfg.checkpoint.keep_latest_k,
+            {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
+             "lr_scheduler": self.lr_scheduler, "dataloader": self.train_loader, "train_state": self.state},
+            self.config_toml)
+        self.logger = MetricsLogger(self.run_dir, self.rank, cfg.metrics.tensorboard)
+        self.throughput = Throughput(self.flops_per_token, self.device, self.world_size)
+        self.probe = None
+        self.preempted = False
+        self.tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
+
+    def model_layers(self) -> int:
+        return len(self.model.layers)
+
+    def model_dim(self) -> int:
+        return self.model.tok_embeddings.weight.shape[1]
+
+    def log0(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, flush=True)
+
+    # ---------------------------------------------------------------- step
+
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Token-summed cross entropy divided by the global number of target tokens."""
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+        return loss / self.tokens_per_step
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(self.accum_steps):
+            inputs, labels = next(self.train_iter)
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            loss = self.loss_fn(self.model(inputs), labels)
+            loss.backward()
+            loss_sum += loss.detach()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = grad_norm(params)
+        finite = bool(torch.isfinite(norm))
+        if finite:
+            if self.cfg.training.max_norm > 0:
+                clip_grads(params, self.cfg.training.max_norm, norm)
+            self.optimizer.step()
+            if self.spec.post_step is not None:
+                self.spec.post_step(self.model)
+        else:
+            self.state.skipped_steps += 1
+            self.log0(f"step {self.state.step + 1}: non-finite gradient norm, update skipped on all ranks")
+        self.lr_scheduler.step()
+        return loss_sum, norm
+
+    def global_loss(self, local: torch.Tensor) -> float:
+        """Sum of the ranks' normalised losses over the data-parallel ranks = the global mean loss."""
+        dist.all_reduce(local, group=self.mesh["dp"].get_group())
+        return local.item()
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        cfg = self.cfg
+        loader = build_dataloader(cfg.data, self.tokenizer, split="validation", seq_len=cfg.training.seq_len,
+                                  global_batch_size=cfg.training.global_batch_size, micro_batch_size=self.micro_batch,
+                                  dp_rank=self.dp_rank, dp_degree=self.dims.dp, seed=cfg.training.seed)
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        it = iter(loader)
+        for _ in range(cfg.eval.steps * self.accum_steps):
+            inputs, labels = next(it)
+            total += self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))
+        self.model.train()
+        return self.global_loss(total) / cfg.eval.steps
+
+    # ---------------------------------------------------------------- loop
+
+    def train(self) -> None:
+        cfg = self.cfg
+        resumed = self.checkpointer.load(cfg.checkpoint.load_step) if cfg.checkpoint.enable else None
+        if resumed is not None:
+            self.train_iter = iter(self.train_loader)
+            self.log0(f"resumed from {self.checkpointer.folder / f'step-{resumed}'}")
+        self._install_sigterm()
+        self.log0(f"model {cfg.model.name}/{cfg.model.flavor}: {self.n_params / 1e6:.2f}M params, "
+                  f"{self.flops_per_token / 1e6:.1f} MFLOP/token | world {self.world_size} "
+                  f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, tp {self.dims.tp}) "
+                  f"| batch {cfg.training.global_batch_size}x{cfg.training.seq_len}, "
+                  f"micro {self.micro_batch} x {self.accum_steps} | {self.device}")
+        if self.probe is None and cfg.observe.every > 0:
+            self._build_probe()
+        self.throughput.reset()
+        while self.state.step < cfg.training.steps:
+            self.state.step += 1
+            step = self.state.step
+            lr = self.optimizer.param_groups[0]["lr"]
+            loss, norm = self.train_step()
+            self.throughput.add(self.tokens_per_step)
+            last = step == cfg.training.steps
+            if step % cfg.metrics.log_every == 0 or last or step == 1:
+                self._log(step, loss, norm, lr)
+            if cfg.eval.every and (step % cfg.eval.every == 0 or last):
+                val = self.validate()
+                self.logger.log(step, {"val_loss": val}, console=f"step {step:>6}  val_loss {val:.4f}")
+                self.throughput.reset()
+            if self.probe is not None and (step % cfg.observe.every == 0 or last):
+                self._run_probe(step)
+            stop = self._preempt_now()
+            if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or last or stop):
+                path = self.checkpointer.save(step)
+                self.log0(f"checkpoint saved: {path}")
+                self.throughput.reset()
+            if stop:
+                self.log0(f"SIGTERM received: stopped after step {step}")
+                break
+        self.logger.close()
+
+    def _log(self, step: int, loss: torch.Tensor, norm: torch.Tensor, lr: float) -> None:
+        loss_v = self.global_loss(loss)
+        scalars = {"loss": loss_v, "lr": lr, "grad_norm": float(norm), **self.throughput.read(),
+                   "memory_gib": peak_memory_gib(self.device), "skipped_steps": float(self.state.skipped_steps)}
+        mfu = f"  mfu {scalars['mfu']:.1f}%" if "mfu" in scalars else ""
+        line = (f"step {step:>6}  loss {loss_v:.4f}  lr {lr:.2e}  gnorm {scalars['grad_norm']:.3f}  "
+                f"tok/s {scalars['tokens_per_second']:,.0f}{mfu}  mem {scalars['memory_gib']:.2f}GiB")
+        self.logger.log(step, scalars, console=line)
+
+    def _build_probe(self) -> None:
+        from outlier_titan.observe.probe import OutlierProbe
+
+        cfg = self.cfg
+        loader = build_dataloader(cfg.data, self.tokenizer, split="validation", seq_len=cfg.training.seq_len,
+                                  global_batch_size=cfg.observe.batch_size * self.dims.dp,
+                                  micro_batch_size=cfg.observe.batch_size, dp_rank=self.dp_rank,
+                                  dp_degree=self.dims.dp, seed=cfg.training.seed)
+        self.probe_tokens = next(iter(loader))[0].to(self.device)
+        self.probe = OutlierProbe(self.model, cfg.observe, self.mesh)
+
+    def _run_probe(self, step: int) -> None:
+        t0 = time.perf_counter()
+        scalars, images = self.probe.run(self.probe_tokens)
+        scalars["outliers/probe_seconds"] = time.perf_counter() - t0
+        self.logger.log(step, scalars, images)
+        self.throughput.reset()
+
+    def _install_sigterm(self) -> None:
+        if self.cfg.checkpoint.enable:
+            signal.signal(signal.SIGTERM, lambda *_: setattr(self, "preempted", True))
+
+    def _preempt_now(self) -> bool:
+        """True on every rank once any rank got SIGTERM (Slurm preemption)."""
+        if not self.cfg.checkpoint.enable:
+            return False
+        flag = torch.tensor([1.0 if self.preempted else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group())
+        self.preempted = bool(flag.item())
+        return self.preempted
+
+    def _cpu_group(self):
+        if not hasattr(self, "_gloo"):
+            self._gloo = dist.new_group(backend="gloo") if self.device.type == "cuda" else dist.group.WORLD
+        return self._gloo
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    from outlier_titan.config.manager import parse_args
+    from outlier_titan.errors import UserError
+
+    trainer = None
+    try:
+        cfg = parse_args(argv)
+        if cfg.job.dry_run:
+            from outlier_titan.parallel.planning import dry_run
+
+            dry_run(cfg)
+            return 0
+        trainer = Trainer(cfg)
+        trainer.train()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if trainer is not None:
+            trainer.close()
+        elif dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -1,0 +1,59 @@
+"""Runs train.py as a user would (python, or torchrun with N gloo ranks) and reads back its metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A small, fast variant of the debug run used by the distributed tests.
+TINY = ["--training.steps", "20", "--training.seq_len", "64", "--training.global_batch_size", "8",
+        "--metrics.log_every", "1", "--eval.every", "0", "--observe.every", "0", "--checkpoint.enable", "false",
+        "--metrics.tensorboard", "false", "--lr_scheduler.warmup_steps", "2"]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+    records: list = field(default_factory=list)
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in self.records if "loss" in r}
+
+    def check(self) -> "Run":
+        assert self.returncode == 0, f"train.py failed ({self.returncode}):\n{self.stdout[-3000:]}\n{self.stderr[-6000:]}"
+        return self
+
+
+def train(tmp_path: Path, *overrides: str, nproc: int = 1, name: str = "run", config: str = "train_configs/debug.toml",
+          timeout: int = 600) -> Run:
+    """Runs one training job in ``tmp_path/<name>`` and returns its output and metrics.jsonl records."""
+    args = ["--config", str(REPO / config), "--job.dump_folder", str(tmp_path), "--job.name", name, *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, str(REPO / "train.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "train.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    run_dir = tmp_path / name
+    records = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return Run(proc.returncode, proc.stdout, proc.stderr, run_dir, records)
+
+
+def assert_losses_close(a: dict[int, float], b: dict[int, float], rtol: float) -> None:
+    assert a.keys() == b.keys() and a, (sorted(a), sorted(b))
+    for step in a:
+        assert abs(a[step] - b[step]) <= rtol * abs(b[step]), f"step {step}: {a[step]!r} vs {b[step]!r}"
