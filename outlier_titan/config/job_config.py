@@ -87,6 +87,8 @@ class Data:
     tokenizer: str = opt("embedded", "'embedded' (shipped BPE), a tiktoken BPE rank file, or tiktoken:<encoding>.")
     text_field: str = opt("text", "Field with the text in jsonl/parquet/HF records.")
     val_fraction: float = opt(0.02, "Fraction of documents (by file) held out for validation.")
+    cache_dir: str = opt("", "Folder for tokenized-corpus caches; empty = $OUTLIER_TITAN_CACHE or "
+                             "~/.cache/outlier_titan.")
 
 
 @dataclass
