@@ -82,9 +82,18 @@ def test_windows_are_the_packed_document_stream(corpus_dir, cache, tok):
     stream = _stream(local_corpus(str(corpus_dir), "train"), tok)
     (step0, step1) = _step_rows([_loader(cfg, tok)], 2)
     rows = torch.cat([step0, step1]).numpy()
-    for g, row in enumerate(rows):
-        np.testing.assert_array_equal(row, stream[g * SEQ:g * SEQ + SEQ + 1])
+    windows = {tuple(stream[p * SEQ:p * SEQ + SEQ + 1]): p for p in range((len(stream) - 1) // SEQ)}
+    picked = [windows[tuple(row)] for row in rows]  # every row is a window of the packed stream ...
+    assert len(set(picked)) == len(picked)  # ... each at most once per epoch ...
+    assert picked != sorted(picked)  # ... in a seeded shuffled order (training split)
     assert (stream == tok.eos_id).sum() == sum(1 for _ in local_corpus(str(corpus_dir), "train").documents())
+
+
+def test_training_window_order_depends_on_seed_only(corpus_dir, cache, tok):
+    cfg = Data(source=str(corpus_dir), cache_dir=cache)
+    a = _step_rows([_loader(cfg, tok)], 2)
+    b = _step_rows([_loader(cfg, tok, seed=1)], 2)
+    assert not all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("split", ["train", "validation"])
@@ -231,10 +240,10 @@ def test_single_txt_file_splits_by_lines(tmp_path, cache, tok):
     train = list(local_corpus(str(path), "train", val_fraction=0.05).documents())
     val = list(local_corpus(str(path), "validation", val_fraction=0.05).documents())
     assert train == ["".join(lines[:95])] and val == ["".join(lines[95:])]
-    dl = build_dataloader(Data(source=str(path), cache_dir=cache), tok, seq_len=8, global_batch_size=2,
-                          micro_batch_size=1, dp_rank=0, dp_degree=1)
+    dl = build_dataloader(Data(source=str(path), cache_dir=cache, val_fraction=0.05), tok, seq_len=8,
+                          global_batch_size=2, micro_batch_size=1, dp_rank=0, dp_degree=1, split="validation")
     x, y = next(iter(dl))
-    assert tok.decode(x[0].tolist()).startswith("line 0 of the book")
+    assert tok.decode(x[0].tolist()).startswith("line 95 of the book")
 
 
 # ------------------------------------------------------------------------------------------------ cache

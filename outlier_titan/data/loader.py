@@ -182,11 +182,18 @@ def token_cache(corpus: FileCorpus, tokenizer: Tokenizer, cache_dir: str | Path)
 
 # --------------------------------------------------------------------------------------------------- windows
 class ArrayWindows:
-    """Random access to the windows of a cached token array; window ``g`` wraps to ``g mod num_windows``."""
+    """Random access to the windows of a cached token array; window ``g`` wraps to ``g mod num_windows``.
 
-    def __init__(self, path: str | Path, seq_len: int, description: str = "") -> None:
+    With ``shuffle_seed`` each pass (epoch) visits the windows in a seeded random order, so a batch mixes
+    many documents instead of consecutive pieces of one file; the order depends only on the seed and the
+    epoch, never on the number of ranks.
+    """
+
+    def __init__(self, path: str | Path, seq_len: int, description: str = "", shuffle_seed: int | None = None) -> None:
         self.path = Path(path)
         self.seq_len = seq_len
+        self.shuffle_seed = shuffle_seed
+        self._perm_epoch, self._perm = -1, None
         self.tokens = np.load(self.path, mmap_mode="r")
         self.num_windows = (len(self.tokens) - 1) // seq_len
         if self.num_windows < 1:
@@ -197,9 +204,17 @@ class ArrayWindows:
         t = self.seq_len
         out = np.empty((count, t + 1), dtype=np.int64)
         for j in range(count):
-            p = (start + j) % self.num_windows
+            epoch, p = divmod(start + j, self.num_windows)
+            if self.shuffle_seed is not None:
+                p = int(self._permutation(epoch)[p])
             out[j] = self.tokens[p * t:p * t + t + 1]
         return out
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            rng = np.random.default_rng([self.shuffle_seed, epoch])
+            self._perm, self._perm_epoch = rng.permutation(self.num_windows), epoch
+        return self._perm
 
 
 class StreamWindows:
@@ -352,7 +367,7 @@ def build_dataloader(data_cfg, tokenizer: Tokenizer, *, seq_len: int, global_bat
     """The loader of ``split`` for DP rank ``dp_rank`` of ``dp_degree`` (see the module docstring).
 
     ``data_cfg`` is the ``data`` config section (source, tokenizer, text_field, val_fraction, cache_dir).
-    ``seed`` orders the embedded corpus's training files; validation is never shuffled, so it is the same for
+    ``seed`` orders the embedded corpus's training files and the training windows; validation is never shuffled, so it is the same for
     every seed.
     """
     if seq_len < 1:
@@ -366,5 +381,6 @@ def build_dataloader(data_cfg, tokenizer: Tokenizer, *, seq_len: int, global_bat
         dataset = PackedWindowDataset(StreamWindows(corpus, tokenizer, seq_len), **layout)
         return TokenDataLoader(dataset, description=corpus.describe())
     path, info = token_cache(corpus, tokenizer, cache_root(getattr(data_cfg, "cache_dir", "")))
-    dataset = PackedWindowDataset(ArrayWindows(path, seq_len, corpus.describe()), **layout)
+    windows = ArrayWindows(path, seq_len, corpus.describe(), shuffle_seed=seed if split == "train" else None)
+    dataset = PackedWindowDataset(windows, **layout)
     return TokenDataLoader(dataset, description=corpus.describe(), cache_path=path, cache_info=info)
