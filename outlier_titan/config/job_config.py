@@ -135,6 +135,8 @@ class Observe:
     batch_size: int = opt(4, "Sequences in the fixed held-out probe batch.")
     mode: str = opt("full", "cheap: residual-stream metrics only; full: also attention and pictures.",
                     ("cheap", "full"))
+    kurtosis_centered: bool = opt(False, "Also log seed 002 authors' centred neuron-RMS kurtosis (~ Kurt - 1).")
+    map_tokens: int = opt(64, "Attention-map picture: the first N query/key positions.")
 
 
 @dataclass

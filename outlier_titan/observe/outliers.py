@@ -1,0 +1,279 @@
+"""Outlier-feature and attention-sink metrics of the three seed papers, as pure tensor functions.
+
+Notation: a hidden state ``x`` is ``[..., D]`` (D = residual width, the "channels"/"neurons"); a residual
+stream of one layer is ``[B, T, D]``; attention probabilities are ``[B, H, T, T]`` (query i, key j, causal;
+softmax-1 rows sum to < 1 because its sink is not a key).
+
+Definitions (see ``shared/reference``):
+
+* seed 000 Eq. 2, **per-token kurtosis**: Pearson (non-excess) kurtosis over the D channels of one token,
+  population moments, centred: ``E_d[(x - mu)^4] / E_d[(x - mu)^2]^2``. Gaussian ~ 3. Reported separately
+  for the first token and as the mean over the other tokens.
+* seed 002 Eq. 1, **kurtosis of neuron RMS**: ``s_j^2 = mean_tokens x_j^2`` (all tokens pooled), then
+  ``mean_j s_j^4 / (mean_j s_j^2)^2``: uncentred, raw moments. Equal RMS per neuron gives 1, one dominant
+  neuron gives D. The authors' code logs a centred variant instead (each token centred over width, then the
+  unbiased variance over j of s_j^2 / mean s^2, i.e. ~ Kurt - 1); :func:`neuron_rms_kurtosis_centred`.
+* seed 002 Eq. 2, **max-median ratio**: per token ``max_d |x_d| / median_d |x_d|``, mean over tokens.
+* **signal propagation**: mean pairwise cosine similarity of the token vectors (all tokens of the batch
+  pooled, pairs alpha != beta); seed 002's own plotted quantity, the mean off-diagonal of ``X~ X~^T / d``
+  with ``X~ = X / rms(X)``, is :func:`signal_prop_corr`.
+* seed 000 §3.4 **max |activation|**: first token ``max_d |x_{1,d}|``; the rest ``max_{l>1,d} |x_{l,d}|``
+  per sample; both averaged over samples.
+* seed 000 §3.5/3.6 **first-token attention**: the share of (query, head) pairs whose most-attended key is
+  key 0 (ties: lowest index; the sink is not a candidate) and the mean probability on key 0.
+
+Everything that has to be reduced across data-parallel ranks is expressed as **sums** (:func:`residual_sums`,
+:func:`attention_sums`), so the distributed probe adds them up and finalises once
+(:func:`finalize_residual`, :func:`finalize_attention`); the direct functions are for tests and analysis.
+Maths that matters is done in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Direct definitions
+
+
+def token_kurtosis(x: torch.Tensor) -> torch.Tensor:
+    """Seed 000 Eq. 2: Pearson kurtosis over the last dim, one value per token (float64)."""
+    x = x.to(F64)
+    c = x - x.mean(-1, keepdim=True)
+    c2 = c.square()
+    m2 = c2.mean(-1)
+    m4 = c2.square().mean(-1)
+    return m4 / m2.square().clamp_min(torch.finfo(F64).tiny)
+
+
+def neuron_rms_kurtosis_from_sq(s2: torch.Tensor) -> torch.Tensor:
+    """Seed 002 Eq. 1 from the per-neuron mean squares ``s_j^2`` (shape [D]): ``mean s^4 / (mean s^2)^2``."""
+    s2 = s2.to(F64)
+    return s2.square().mean(-1) / s2.mean(-1).square().clamp_min(torch.finfo(F64).tiny)
+
+
+def neuron_rms_kurtosis(x: torch.Tensor) -> torch.Tensor:
+    """Seed 002 Eq. 1 of an activation matrix: all leading dims are tokens, the last dim is the neurons."""
+    x = x.to(F64).reshape(-1, x.shape[-1])
+    return neuron_rms_kurtosis_from_sq(x.square().mean(0))
+
+
+def neuron_rms_kurtosis_centred_from_sq(c2: torch.Tensor) -> torch.Tensor:
+    """The authors' code variant from ``mean_tokens (x_j - mean_d x)^2`` per neuron (shape [D]).
+
+    After normalising by the global mean square, it is the unbiased variance over neurons: ~ Kurt - 1
+    (``D/(D-1) * (Eq1(centred x) - 1)``), so Gaussian activations give ~ 0.
+    """
+    c2 = c2.to(F64)
+    t = c2 / c2.mean(-1, keepdim=True).clamp_min(torch.finfo(F64).tiny)
+    return t.var(-1, unbiased=True)
+
+
+def neuron_rms_kurtosis_centred(x: torch.Tensor) -> torch.Tensor:
+    x = x.to(F64).reshape(-1, x.shape[-1])
+    x = x - x.mean(-1, keepdim=True)
+    return neuron_rms_kurtosis_centred_from_sq(x.square().mean(0))
+
+
+def max_median_ratio(x: torch.Tensor) -> torch.Tensor:
+    """Seed 002 Eq. 2 per token: ``max_d |x| / median_d |x|`` (aggregate with a mean over tokens)."""
+    a = x.abs().float()
+    med = a.median(-1).values.to(F64)
+    return a.amax(-1).to(F64) / med.clamp_min(torch.finfo(F64).tiny)
+
+
+def norm_ratio(x: torch.Tensor) -> torch.Tensor:
+    """Seed 000 §3.7 per token: ``||x||_inf^2 / ||x||_2^2`` (1 for one dominant channel, 1/D for a flat one)."""
+    x = x.to(F64)
+    return x.abs().amax(-1).square() / x.square().sum(-1).clamp_min(torch.finfo(F64).tiny)
+
+
+def mean_pairwise_cosine(x: torch.Tensor) -> torch.Tensor:
+    """Mean cosine similarity over all ordered pairs alpha != beta of token vectors (leading dims pooled).
+
+    Uses ``sum_{a != b} u_a . u_b = ||sum_a u_a||^2 - n`` for unit vectors u: no n x n Gram matrix.
+    """
+    u = _unit(x.to(F64).reshape(-1, x.shape[-1]))
+    n = u.shape[0]
+    return (u.sum(0).square().sum() - n) / (n * (n - 1))
+
+
+def signal_prop_corr(x: torch.Tensor) -> torch.Tensor:
+    """Seed 002 §2.1: mean off-diagonal of ``X~ X~^T / d`` with ``X~ = X / sqrt(||X||_F^2 / (n d))``."""
+    x = x.to(F64).reshape(-1, x.shape[-1])
+    n = x.shape[0]
+    s = x.square().sum()
+    return (x.sum(0).square().sum() - s) / ((n - 1) * s)
+
+
+def first_token_argmax_share(probs: torch.Tensor, exclude_first_query: bool = False) -> torch.Tensor:
+    """Seed 000 §3.5: fraction of (batch, head, query) rows whose argmax key is key 0 (ties: lowest index)."""
+    hit = probs.argmax(-1) == 0
+    if exclude_first_query:
+        hit = hit[..., 1:]
+    return hit.to(F64).mean()
+
+
+def first_token_attention_mass(probs: torch.Tensor, normalise_rows: bool = False) -> torch.Tensor:
+    """Seed 000 §3.6: mean probability on key 0 (raw; or divided by the row mass, which differs under
+    softmax-1)."""
+    p0 = probs[..., 0].to(F64)
+    if normalise_rows:
+        p0 = p0 / probs.to(F64).sum(-1).clamp_min(torch.finfo(F64).tiny)
+    return p0.mean()
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reducible sums (one layer) and their finalisation
+
+
+RESIDUAL_METRICS = (
+    "kurtosis_first", "kurtosis_rest", "kurtosis_all", "max_abs_first", "max_abs_rest", "max_abs_rest_token",
+    "kurtosis_neuron_rms", "max_median_ratio", "norm_ratio", "signal_prop_cos", "signal_prop_corr",
+    "residual_rms", "residual_norm",
+)
+ATTENTION_METRICS = (
+    "first_token_argmax_share", "first_token_argmax_share_excl_q0", "first_token_attention_mass",
+    "first_token_attention_mass_norm", "attention_sink_mass", "attention_entropy",
+)
+
+
+def residual_sums(x: torch.Tensor, centred: bool = False) -> dict[str, torch.Tensor]:
+    """Sufficient statistics of one layer's residual stream ``x`` [B, T, D] as float64 sums.
+
+    Scalars and [D] vectors; adding the dicts of disjoint token sets (other DP ranks, other batches) and
+    calling :func:`finalize_residual` gives the metrics of the union. Runs on x's device without host syncs.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"residual stream must be [B, T, D], got shape {tuple(x.shape)}")
+    b, t, d = x.shape
+    x64 = x.to(F64)
+    sq = x64.square()
+    kurt = token_kurtosis(x64)  # [B, T]
+    absx = x.abs()
+    tok_max = absx.amax(-1).to(F64)  # [B, T]
+    norms2 = sq.sum(-1)  # [B, T]
+    out = {
+        "n_seq": x64.new_tensor(float(b)),
+        "n_tok": x64.new_tensor(float(b * t)),
+        "n_rest": x64.new_tensor(float(b * (t - 1))),
+        "kurt_first": kurt[:, 0].sum(),
+        "kurt_rest": kurt[:, 1:].sum(),
+        "maxabs_first": tok_max[:, 0].sum(),
+        "maxabs_rest": tok_max[:, 1:].amax(-1).sum() if t > 1 else x64.new_zeros(()),
+        "maxabs_rest_token": tok_max[:, 1:].sum(),
+        "mmr": max_median_ratio(x).sum(),
+        "norm_ratio": (tok_max.square() / norms2.clamp_min(torch.finfo(F64).tiny)).sum(),
+        "norm": norms2.sqrt().sum(),
+        "sq_first": sq[:, 0].sum(0),
+        "sq_rest": sq[:, 1:].sum((0, 1)),
+        "vec": x64.sum((0, 1)),
+        "unit": _unit(x64).sum((0, 1)),
+    }
+    if centred:
+        out["csq"] = (x64 - x64.mean(-1, keepdim=True)).square().sum((0, 1))
+    return out
+
+
+def finalize_residual(s: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Metrics of one layer from (summed) :func:`residual_sums`; metrics without data are left out."""
+    s = {k: v.to(F64).cpu() for k, v in s.items()}
+    n_seq, n_tok, n_rest = float(s["n_seq"]), float(s["n_tok"]), float(s["n_rest"])
+    sq = s["sq_first"] + s["sq_rest"]
+    total_sq = float(sq.sum())
+    d = sq.numel()
+    out: dict[str, float] = {}
+    if n_seq > 0:
+        out["kurtosis_first"] = float(s["kurt_first"]) / n_seq
+        out["max_abs_first"] = float(s["maxabs_first"]) / n_seq
+    if n_rest > 0:
+        out["kurtosis_rest"] = float(s["kurt_rest"]) / n_rest
+        out["max_abs_rest"] = float(s["maxabs_rest"]) / n_seq
+        out["max_abs_rest_token"] = float(s["maxabs_rest_token"]) / n_rest
+    if n_tok > 0:
+        out["kurtosis_all"] = (float(s["kurt_first"]) + float(s["kurt_rest"])) / n_tok
+        out["kurtosis_neuron_rms"] = float(neuron_rms_kurtosis_from_sq(sq / n_tok))
+        out["max_median_ratio"] = float(s["mmr"]) / n_tok
+        out["norm_ratio"] = float(s["norm_ratio"]) / n_tok
+        out["residual_rms"] = (total_sq / (n_tok * d)) ** 0.5
+        out["residual_norm"] = float(s["norm"]) / n_tok
+        if "csq" in s:
+            out["kurtosis_neuron_rms_centred"] = float(neuron_rms_kurtosis_centred_from_sq(s["csq"] / n_tok))
+    if n_tok > 1:
+        out["signal_prop_cos"] = (float(s["unit"].square().sum()) - n_tok) / (n_tok * (n_tok - 1))
+        if total_sq > 0:
+            out["signal_prop_corr"] = (float(s["vec"].square().sum()) - total_sq) / ((n_tok - 1) * total_sq)
+    return out
+
+
+def attention_sums(probs: torch.Tensor, map_size: int = 0) -> dict[str, torch.Tensor]:
+    """Sufficient statistics of one layer's attention probabilities [B, H, T, T] as float64 sums.
+
+    With ``map_size > 0`` also the sum over batch and heads of the top-left ``map_size`` x ``map_size``
+    corner (exact for causal maps: the first k queries only see the first k keys) and its count.
+    """
+    if probs.dim() != 4:
+        raise ValueError(f"attention probabilities must be [B, H, T, T], got shape {tuple(probs.shape)}")
+    b, h, t, _ = probs.shape
+    p = probs.float()
+    hit = (p.argmax(-1) == 0).to(F64)  # [B, H, T]
+    row = p.sum(-1, dtype=F64)
+    p0 = p[..., 0].to(F64)
+    plogp = torch.where(p > 0, p * p.clamp_min(torch.finfo(p.dtype).tiny).log(), p.new_zeros(()))
+    out = {
+        "n_rows": p0.new_tensor(float(b * h * t)),
+        "n_rows_excl_q0": p0.new_tensor(float(b * h * (t - 1))),
+        "argmax_first": hit.sum(),
+        "argmax_first_excl_q0": hit[..., 1:].sum(),
+        "mass_first": p0.sum(),
+        "mass_first_norm": (p0 / row.clamp_min(torch.finfo(F64).tiny)).sum(),
+        "sink_mass": (1.0 - row).clamp_min(0.0).sum(),
+        "entropy": -plogp.sum(-1, dtype=F64).sum(),
+    }
+    if map_size > 0:
+        k = min(map_size, t)
+        out["map"] = p[:, :, :k, :k].sum((0, 1), dtype=F64)
+        out["n_maps"] = p0.new_tensor(float(b * h))
+    return out
+
+
+def finalize_attention(s: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Metrics of one layer from (summed) :func:`attention_sums`."""
+    s = {k: v.to(F64).cpu() for k, v in s.items()}
+    n, n1 = float(s["n_rows"]), float(s["n_rows_excl_q0"])
+    out: dict[str, float] = {}
+    if n > 0:
+        out["first_token_argmax_share"] = float(s["argmax_first"]) / n
+        out["first_token_attention_mass"] = float(s["mass_first"]) / n
+        out["first_token_attention_mass_norm"] = float(s["mass_first_norm"]) / n
+        out["attention_sink_mass"] = float(s["sink_mass"]) / n
+        out["attention_entropy"] = float(s["entropy"]) / n
+    if n1 > 0:
+        out["first_token_argmax_share_excl_q0"] = float(s["argmax_first_excl_q0"]) / n1
+    return out
+
+
+def add_sums(acc: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Element-wise sum of two statistics dicts (``acc`` may be None)."""
+    if acc is None:
+        return dict(new)
+    if acc.keys() != new.keys():
+        raise ValueError(f"statistics differ in keys: {sorted(acc)} vs {sorted(new)}")
+    return {k: acc[k] + new[k] for k in acc}
+
+
+def layer_mean(per_layer: list[dict[str, float]]) -> dict[str, float]:
+    """Mean over layers of each metric present in every layer."""
+    if not per_layer:
+        return {}
+    keys = set(per_layer[0])
+    for m in per_layer[1:]:
+        keys &= set(m)
+    return {k: sum(m[k] for m in per_layer) / len(per_layer) for k in sorted(keys)}

@@ -1,0 +1,253 @@
+"""The outlier probe: one no-grad forward on a fixed probe batch, with hooks, reduced across ranks.
+
+Usage (trainer)::
+
+    probe = OutlierProbe(model, cfg.observe, mesh)       # once
+    scalars, images = probe.run(tokens)                   # every observe.every steps, on every rank
+
+Measurement points: the residual stream at the output of every block (``model.layers[i]``: seed 000's
+"after the residual connection") and the final pre-head input (the output of ``model.norm``, seed 002's
+unembedding input). In ``full`` mode every :class:`~outlier_titan.models.layers.Attention` also gets a
+``prob_hook`` for that forward, so its probabilities are computed explicitly (softmax-1 included).
+
+Each hook reduces its tensor to float64 sums at once (:mod:`outlier_titan.observe.outliers`), so no
+activations are kept. All sums go into one vector, which is all-reduced over the data-parallel dims and
+the tensor-parallel dim, then copied to the host once. Under TP the residual stream is gathered
+(``full_tensor()``, sequence parallel included) and is then the same on every TP rank, so only TP rank 0
+contributes it; attention heads are local to a TP rank, so their sums add up over TP.
+
+Scalars (identical on all ranks): ``outliers/layer_<i>/<metric>`` per block, ``outliers/head_input/<metric>``
+for the pre-head input, and ``outliers/<metric>`` = the mean over blocks (the papers' "averaged across
+layers"; the head input is not in the mean). Images (full mode): ``outliers/attention_map`` and
+``outliers/hidden_magnitude``, HWC uint8.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+from outlier_titan.config.job_config import Observe
+from outlier_titan.models.layers import Attention
+from outlier_titan.observe import outliers as om
+from outlier_titan.observe.pictures import attention_map_image, hidden_magnitude_image
+
+PREFIX = "outliers"
+
+
+class OutlierProbe:
+    """Outlier and attention-sink metrics of ``model`` on a probe batch; see the module docstring."""
+
+    def __init__(self, model: nn.Module, cfg: Observe | None = None, mesh=None):
+        self.model = model
+        self.cfg = cfg if cfg is not None else Observe()
+        self.mesh = mesh
+        self.full = self.cfg.mode == "full"
+        self.layer_names = list(model.layers.keys())
+        self.attention: dict[str, list[Attention]] = {
+            name: [m for m in block.modules() if isinstance(m, Attention)] for name, block in model.layers.items()}
+        self._dp_groups, self._tp_group, self._tp_rank = self._groups(mesh)
+        self._tp_mesh = mesh["tp"] if self._tp_group is not None else None
+
+    # ------------------------------------------------------------------------------------------------------
+    # public
+
+    def run(self, tokens: torch.Tensor) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+        """Probe metrics of one batch ``tokens`` [B_local, T] (this DP rank's share)."""
+        return self.measure([tokens])
+
+    def measure(self, batches: Iterable[torch.Tensor]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+        """Probe metrics pooled over several batches (sums are added, then reduced and finalised once)."""
+        acc = None
+        for tokens in batches:
+            acc = self._add(acc, self.local_sums(tokens))
+        if acc is None:
+            raise ValueError("OutlierProbe.measure needs at least one batch")
+        return self.finalize(self.reduce(acc))
+
+    @torch.no_grad()
+    def local_sums(self, tokens: torch.Tensor) -> dict:
+        """One forward with hooks; this rank's float64 sums: {"res": {layer: sums}, "head": sums,
+        "attn": {layer: sums}, "rep": {"res": bool, "attn": bool}} (rep: replicated over TP)."""
+        res: dict[str, dict] = {}
+        attn: dict[str, dict] = {}
+        head: dict = {}
+        rep = {"res": False, "attn": False}
+        centred = bool(self.cfg.kurtosis_centered)
+        map_size = max(0, int(self.cfg.map_tokens)) if self.full else 0
+
+        seq_len = tokens.shape[1]
+
+        def block_hook(name):
+            def hook(_module, _inputs, output):
+                x = output[0] if isinstance(output, (tuple, list)) else output
+                x, r = self._full_residual(x, seq_len)
+                rep["res"] |= r
+                res[name] = om.residual_sums(x, centred)
+            return hook
+
+        def head_hook(_module, _inputs, output):
+            x, r = self._full_residual(output, seq_len)
+            rep["res"] |= r
+            head.update(om.residual_sums(x, centred))
+
+        def prob_hook(name, module):
+            def hook(probs):
+                p, r = self._probs(probs, module)
+                rep["attn"] |= r
+                attn[name] = om.add_sums(attn.get(name), om.attention_sums(p, map_size))
+            return hook
+
+        handles = [self.model.layers[n].register_forward_hook(block_hook(n)) for n in self.layer_names]
+        handles.append(self.model.norm.register_forward_hook(head_hook))
+        hooked: list[Attention] = []
+        try:
+            if self.full:
+                for name, mods in self.attention.items():
+                    for m in mods:
+                        m.prob_hook = prob_hook(name, m)
+                        hooked.append(m)
+            self.model(tokens)
+        finally:
+            for h in handles:
+                h.remove()
+            for m in hooked:
+                m.prob_hook = None
+        return {"res": res, "head": head, "attn": attn, "rep": rep}
+
+    def reduce(self, sums: dict) -> dict:
+        """Adds the sums over all ranks (DP dims and TP) with one flat all-reduce per mesh dim; host copy."""
+        entries = []  # (section, layer, key, tensor)
+        for name in self.layer_names:
+            for k, v in sums["res"].get(name, {}).items():
+                entries.append(("res", name, k, v))
+        for k, v in sums["head"].items():
+            entries.append(("head", None, k, v))
+        for name in self.layer_names:
+            for k, v in sums["attn"].get(name, {}).items():
+                entries.append(("attn", name, k, v))
+        if not entries:
+            return sums
+        zero_res = self._tp_rank != 0 and sums["rep"]["res"]
+        zero_attn = self._tp_rank != 0 and sums["rep"]["attn"]
+        parts = []
+        for sec, _, _, v in entries:
+            v = v.to(torch.float64).reshape(-1)
+            if (zero_res and sec in ("res", "head")) or (zero_attn and sec == "attn"):
+                v = torch.zeros_like(v)
+            parts.append(v)
+        flat = torch.cat(parts)
+        for group in self._dp_groups + ([self._tp_group] if self._tp_group is not None else []):
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat = flat.cpu()
+        out = {"res": {}, "head": {}, "attn": {}, "rep": sums["rep"]}
+        offset = 0
+        for sec, name, k, v in entries:
+            n = v.numel()
+            t = flat[offset:offset + n].reshape(v.shape)
+            offset += n
+            if sec == "head":
+                out["head"][k] = t
+            else:
+                out[sec].setdefault(name, {})[k] = t
+        return out
+
+    def finalize(self, sums: dict) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+        """Scalars and images from reduced sums."""
+        scalars: dict[str, float] = {}
+        per_layer = []
+        for name in self.layer_names:
+            m = om.finalize_residual(sums["res"][name]) if name in sums["res"] else {}
+            if name in sums["attn"]:
+                m.update(om.finalize_attention(sums["attn"][name]))
+            per_layer.append(m)
+            for k, v in m.items():
+                scalars[f"{PREFIX}/layer_{name}/{k}"] = v
+        if sums["head"]:
+            for k, v in om.finalize_residual(sums["head"]).items():
+                scalars[f"{PREFIX}/head_input/{k}"] = v
+        for k, v in om.layer_mean(per_layer).items():
+            scalars[f"{PREFIX}/{k}"] = v
+        images: dict[str, np.ndarray] = {}
+        if self.full:
+            images.update(self._images(sums))
+        return scalars, images
+
+    # ------------------------------------------------------------------------------------------------------
+    # internals
+
+    def _full_residual(self, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, bool]:
+        """The whole residual stream [B, T, D] of this DP rank, and whether it is the same on every TP rank.
+
+        DTensors are gathered. Under TP a plain tensor shorter than the sequence is a sequence-parallel local
+        shard (Shard(1)) and is all-gathered over the TP group; a full-length plain tensor is replicated.
+        """
+        if isinstance(x, DTensor):
+            return x.full_tensor(), True
+        if self._tp_mesh is None:
+            return x, False
+        if x.shape[1] != seq_len:
+            b, _, d = x.shape
+            x = DTensor.from_local(x.contiguous(), self._tp_mesh, [Shard(1)], run_check=False,
+                                   shape=torch.Size((b, seq_len, d)), stride=(seq_len * d, d, 1)).full_tensor()
+        return x, True
+
+    def _probs(self, probs: torch.Tensor, module: Attention) -> tuple[torch.Tensor, bool]:
+        """Attention probabilities, and whether they are the same on every TP rank (all heads everywhere)
+        rather than this TP rank's local heads."""
+        if isinstance(probs, DTensor):
+            return probs.full_tensor(), True
+        if self._tp_mesh is None:
+            return probs, False
+        global_heads = module.wq.weight.shape[0] // module.head_dim  # DTensor weights report global shapes
+        return probs, probs.shape[1] == global_heads
+
+    def _images(self, sums: dict) -> dict[str, np.ndarray]:
+        images = {}
+        maps = [s for s in sums["attn"].values() if "map" in s]
+        if maps:
+            total = sum(s["map"] for s in maps)
+            count = sum(float(s["n_maps"]) for s in maps)
+            if count > 0:
+                images[f"{PREFIX}/attention_map"] = attention_map_image((total / count).numpy())
+        layers = [sums["res"][n] for n in self.layer_names if n in sums["res"]]
+        if layers and all(float(s["n_rest"]) > 0 for s in layers):
+            first = np.stack([(s["sq_first"] / s["n_seq"]).sqrt().numpy() for s in layers])
+            rest = np.stack([(s["sq_rest"] / s["n_rest"]).sqrt().numpy() for s in layers])
+            images[f"{PREFIX}/hidden_magnitude"] = hidden_magnitude_image(first, rest)
+        return images
+
+    @staticmethod
+    def _add(acc: dict | None, new: dict) -> dict:
+        if acc is None:
+            return new
+        out = {"res": {}, "attn": {}, "rep": {k: acc["rep"][k] or new["rep"][k] for k in acc["rep"]}}
+        for sec in ("res", "attn"):
+            for name in set(acc[sec]) | set(new[sec]):
+                out[sec][name] = om.add_sums(acc[sec].get(name), new[sec][name]) if name in new[sec] \
+                    else acc[sec][name]
+        out["head"] = om.add_sums(acc["head"] or None, new["head"]) if new["head"] else acc["head"]
+        return out
+
+    @staticmethod
+    def _groups(mesh):
+        """(DP process groups, TP process group or None, TP local rank) of the trainer's mesh."""
+        if mesh is None or not dist.is_available() or not dist.is_initialized():
+            return [], None, 0
+        names = tuple(mesh.mesh_dim_names or ())
+        if not names:  # an unnamed 1-D mesh: all data parallel
+            return ([mesh.get_group()] if mesh.size() > 1 else []), None, 0
+        try:
+            dp_meshes = [mesh["dp"]]
+        except (KeyError, RuntimeError, ValueError):
+            dp_meshes = [mesh[n] for n in names if n != "tp"]
+        dp_groups = [m.get_group() for m in dp_meshes if m.size() > 1]
+        tp_group, tp_rank = None, 0
+        if "tp" in names and mesh["tp"].size() > 1:
+            tp_group, tp_rank = mesh["tp"].get_group(), mesh["tp"].get_local_rank()
+        return dp_groups, tp_group, tp_rank

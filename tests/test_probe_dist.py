@@ -1,0 +1,102 @@
+"""Probe metrics under FSDP2 (2 and 4 ranks) and FSDP 2 x TP 2 (sequence parallel) equal the 1-rank metrics
+on the same model and probe batch (gloo, CPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from outlier_titan.config.job_config import Model, Observe
+from outlier_titan.models.init import Initializer
+from outlier_titan.models.registry import model_args
+from outlier_titan.observe.probe import OutlierProbe
+
+SEED, VOCAB, SEQ, BATCH = 7, 4096, 32, 4
+FLAVORS = {"gpt2_s1": dict(flavor="debug", softmax="softmax1"), "llama": dict(flavor="debug_llama")}
+OBSERVE = Observe(mode="full", kurtosis_centered=True, map_tokens=16)
+
+
+def probe_tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(11))
+
+
+def build(flavor: str, device: str = "cpu"):
+    spec, args = model_args(Model(name="pre_ln", **FLAVORS[flavor]), vocab_size=VOCAB, seq_len=SEQ)
+    with torch.device(device):
+        model = spec.build(args)
+    return spec, args, model
+
+
+def reference(flavor: str):
+    _, _, model = build(flavor)
+    model.init_weights(Initializer(SEED, "cpu"))
+    return OutlierProbe(model, OBSERVE).run(probe_tokens())
+
+
+def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from outlier_titan.parallel.dims import ParallelDims
+    from outlier_titan.parallel.fsdp import apply_fsdp
+
+    results = {}
+    try:
+        for dp_shard, tp in layouts:
+            mesh = ParallelDims(1, dp_shard, tp, world).build_mesh("cpu")
+            for flavor in FLAVORS:
+                spec, args, model = build(flavor, "meta")
+                if tp > 1:
+                    spec.tp_plan(model, mesh["tp"], args)
+                apply_fsdp(model, mesh["dp_shard"], torch.float32, torch.float32)
+                model.to_empty(device="cpu")
+                model.init_weights(Initializer(SEED, "cpu"))
+                dp_rank, per = mesh["dp"].get_local_rank(), BATCH // dp_shard
+                share = probe_tokens()[dp_rank * per:(dp_rank + 1) * per]
+                results[(dp_shard, tp, flavor)] = OutlierProbe(model, OBSERVE, mesh).run(share)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, layouts: list, tmp_path) -> list[dict]:
+    mp.start_processes(_worker, args=(world, _free_port(), layouts, str(tmp_path)), nprocs=world, join=True,
+                       start_method="spawn")
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def assert_same(got: tuple, ref: tuple, what: str) -> None:
+    (gs, gi), (rs, ri) = got, ref
+    assert gs.keys() == rs.keys(), (what, sorted(set(gs) ^ set(rs)))
+    for k in rs:
+        assert gs[k] == pytest.approx(rs[k], rel=1e-5, abs=1e-7), (what, k, gs[k], rs[k])
+    assert gi.keys() == ri.keys(), what
+    for k in ri:
+        assert gi[k].shape == ri[k].shape, (what, k)
+        diff = np.abs(gi[k].astype(np.int16) - ri[k].astype(np.int16))
+        assert diff.max() <= 2 and (diff > 0).mean() < 0.01, (what, k)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world,layouts", [(2, [(2, 1)]), (4, [(4, 1), (2, 2)])],
+                         ids=["fsdp2", "fsdp4-and-fsdp2xtp2"])
+def test_distributed_probe_equals_one_rank(world, layouts, tmp_path):
+    refs = {flavor: reference(flavor) for flavor in FLAVORS}
+    per_rank = run_ranks(world, layouts, tmp_path)
+    for key, ref in ((k, refs[k[2]]) for k in per_rank[0]):
+        assert_same(per_rank[0][key], ref, f"{key} rank 0")
+        for r in range(1, world):  # identical on every rank, not only close
+            assert per_rank[r][key][0] == per_rank[0][key][0], (key, r)
+    assert len(per_rank[0]) == len(layouts) * len(FLAVORS)
