@@ -76,7 +76,7 @@ class Trainer:
                        else torch.device("cpu"))
         self.dims = ParallelDims.from_config(cfg.parallelism, self.world_size)
         self.mesh = self.dims.build_mesh(device_type)
-        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.dp_rank = self.dims.dp_mesh.get_local_rank()
         self.local_batch, self.micro_batch, self.accum_steps = batch_layout(cfg, self.dims.dp)
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
         self.config_toml = to_toml(cfg)
@@ -159,7 +159,7 @@ class Trainer:
 
     def global_loss(self, local: torch.Tensor) -> float:
         """Sum of the ranks' normalised losses over the data-parallel ranks = the global mean loss."""
-        dist.all_reduce(local, group=self.mesh["dp"].get_group())
+        dist.all_reduce(local, group=self.dims.dp_mesh.get_group())
         return local.item()
 
     @torch.no_grad()

@@ -45,14 +45,11 @@ class ParallelDims:
         return self.tp > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The 3-D mesh; also keeps the flattened data-parallel mesh as ``self.dp_mesh``."""
         mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return mesh
-
-
-def dp_rank(mesh: DeviceMesh) -> int:
-    return mesh["dp"].get_local_rank()
 
 
 def device_type_for(setting: str) -> str:

@@ -1,0 +1,104 @@
+"""End-to-end training runs through train.py (python and torchrun on gloo), as users launch them."""
+
+import json
+
+import pytest
+
+from tests.launch import TINY, assert_losses_close, train
+
+pytestmark = pytest.mark.dist
+
+RESUME = [*TINY, "--checkpoint.enable", "true", "--checkpoint.interval", "10", "--lr_scheduler.total_steps", "20"]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """One uninterrupted 1-rank run of 20 steps with a checkpoint every 10 (shared by several tests)."""
+    return train(tmp_path_factory.mktemp("base"), *RESUME, "--metrics.tensorboard", "true").check()
+
+
+def test_loss_falls_and_metrics_are_written(baseline):
+    losses = baseline.losses
+    assert sorted(losses) == list(range(1, 21))
+    assert losses[20] < losses[1] - 1.0, losses
+    rec = baseline.records[-1]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_second"):
+        assert key in rec
+    for line in (baseline.run_dir / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)
+    assert (baseline.run_dir / "config.toml").is_file()
+    assert sorted(p.name for p in (baseline.run_dir / "checkpoints").iterdir()) == ["step-10", "step-20"]
+
+
+def test_tensorboard_events_hold_the_scalars(baseline):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((baseline.run_dir / "tb").glob("events.out.tfevents.*"))
+    assert events
+    acc = EventAccumulator(str(events[0]))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for tag in ("loss", "lr", "grad_norm", "tokens_per_second"):
+        assert tag in tags
+    loss_events = acc.Scalars("loss")
+    assert [e.step for e in loss_events] == list(range(1, 21))
+    assert loss_events[-1].value == pytest.approx(baseline.losses[20], rel=1e-6)
+
+
+def test_fsdp2_two_ranks_equals_one_rank(tmp_path, baseline):
+    two = train(tmp_path, *RESUME, nproc=2).check()
+    assert_losses_close(two.losses, baseline.losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_resume_is_exact(tmp_path, baseline, nproc):
+    first = train(tmp_path, *RESUME, "--training.steps", "10", nproc=nproc).check()
+    assert sorted(first.losses) == list(range(1, 11))
+    resumed = train(tmp_path, *RESUME, nproc=nproc).check()
+    assert "resumed from" in resumed.stdout
+    after = {s: l for s, l in resumed.losses.items() if s > 10}
+    assert sorted(after) == list(range(11, 21))
+    rtol = 1e-6 if nproc == 1 else 1e-5
+    assert_losses_close(after, {s: baseline.losses[s] for s in after}, rtol=rtol)
+
+
+def test_keep_latest_k_and_interrupted_save_leave_complete_checkpoints(tmp_path):
+    run = train(tmp_path, *TINY, "--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+                "--checkpoint.keep_latest_k", "2").check()
+    ckpts = run.run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-4", "step-6"]
+    # A crash during a save leaves a temporary folder; it is ignored on resume and purged by the next save.
+    (ckpts / ".tmp-step-8").mkdir()
+    (ckpts / ".tmp-step-8" / "garbage").write_text("partial")
+    again = train(tmp_path, *TINY, "--training.steps", "8", "--checkpoint.enable", "true", "--checkpoint.interval",
+                  "2", "--checkpoint.keep_latest_k", "2").check()
+    assert "resumed from" in again.stdout and "step-6" in again.stdout
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-6", "step-8"]
+
+
+@pytest.mark.parametrize("override, fragment", [
+    (["--data.source", "/no/such/corpus"], "/no/such/corpus"),
+    (["--data.tokenizer", "{bad}"], "tokenizer"),
+    (["--training.global_batch_size", "7"], "not divisible by the data-parallel degree 2"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, override, fragment):
+    if "{bad}" in override:
+        bad = tmp_path / "garbage.tiktoken"
+        bad.write_bytes(b"\x00\x01 not a bpe file\n")
+        override = [override[0], str(bad)]
+    run = train(tmp_path, *TINY, *override, nproc=2 if "7" in override else 1)
+    assert run.returncode != 0
+    errors = [l for l in run.stderr.splitlines() if l.startswith("error:")]
+    assert errors and fragment in errors[0], run.stderr[-2000:]
+    if run.returncode is not None and "7" not in override:
+        assert run.returncode == 2
+
+
+def test_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
+    train(tmp_path, *TINY, "--training.steps", "2", "--checkpoint.enable", "true").check()
+    ckpt = tmp_path / "run" / "checkpoints" / "step-2"
+    before = sorted((p.name, p.stat().st_size) for p in ckpt.iterdir())
+    run = train(tmp_path, *TINY, "--training.steps", "4", "--checkpoint.enable", "true", "--model.softmax", "softmax1")
+    assert run.returncode == 2
+    assert "model.softmax" in run.stderr and "start a new run" in run.stderr
+    assert sorted((p.name, p.stat().st_size) for p in ckpt.iterdir()) == before
