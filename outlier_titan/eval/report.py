@@ -1,0 +1,48 @@
+"""The evaluation report: quantised perplexity per scheme and the probe metrics, as JSON and markdown."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+# Probe metrics shown in the markdown summary (all are in the JSON).
+SUMMARY_METRICS = (
+    "kurtosis_first", "kurtosis_rest", "kurtosis_neuron_rms", "max_abs_first", "max_abs_rest",
+    "max_median_ratio", "signal_prop_cos", "first_token_argmax_share", "first_token_attention_mass",
+    "residual_rms",
+)
+
+
+def scheme_entry(name: str, description: str, head: str, ppls: list[float], fp_ppl: float) -> dict[str, Any]:
+    """One row: the PPL (mean over calibration seeds when there are several), its std and Δ vs full precision."""
+    mean = statistics.fmean(ppls)
+    std = statistics.stdev(ppls) if len(ppls) > 1 else 0.0
+    return {"scheme": name, "description": description, "head": head, "ppl": mean, "ppl_std": std,
+            "ppl_runs": list(ppls), "delta": mean - fp_ppl}
+
+
+def _fmt(x: float) -> str:
+    if not math.isfinite(x):
+        return str(x)
+    if abs(x) >= 1e5:
+        return f"{x:.4g}"
+    return f"{x:.3f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """Markdown: a header line, the PPL table (full precision first) and the probe-metric table."""
+    lines = [f"# Evaluation of `{report.get('checkpoint', '?')}`", "",
+             f"{report['tokens']:,} validation tokens, sequence length {report['seq_len']}.", "",
+             "| scheme | PPL | Δ PPL | LM head | description |", "|---|---|---|---|---|"]
+    fp = report["full_precision"]
+    lines.append(f"| full precision | {_fmt(fp['ppl'])} | 0 | fp | no quantisation |")
+    for e in report["schemes"]:
+        ppl = _fmt(e["ppl"]) + (f" ± {_fmt(e['ppl_std'])}" if len(e["ppl_runs"]) > 1 else "")
+        lines.append(f"| {e['scheme']} | {ppl} | {_fmt(e['delta'])} | {e['head']} | {e['description']} |")
+    probe = report.get("probe") or {}
+    rows = [(k, probe[f"outliers/{k}"]) for k in SUMMARY_METRICS if f"outliers/{k}" in probe]
+    if rows:
+        lines += ["", "| probe metric (mean over layers) | value |", "|---|---|"]
+        lines += [f"| {k} | {v:.4g} |" for k, v in rows]
+    return "\n".join(lines) + "\n"

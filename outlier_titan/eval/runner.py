@@ -1,0 +1,59 @@
+"""Post-training evaluation of one model: full-precision PPL, PPL under each fake-quant scheme, probe metrics.
+
+``scripts/evaluate.py`` loads a checkpoint and the data and calls :func:`evaluate_model`; this module only
+needs a model and token batches, so it is tested without checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence, TextIO
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from outlier_titan.config.job_config import Observe
+from outlier_titan.eval.perplexity import Progress, perplexity
+from outlier_titan.eval.report import scheme_entry
+from outlier_titan.observe.probe import OutlierProbe
+from outlier_titan.quant.ptq import SCHEMES, quantized
+
+
+def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                   probe_tokens: Sequence[torch.Tensor], calib_batches: Callable[[int], list[torch.Tensor]],
+                   schemes: Sequence[str] = tuple(SCHEMES), calib_seeds: Sequence[int] = (0, 1, 2),
+                   device: torch.device | str = "cpu", stream: TextIO | None = None,
+                   ) -> tuple[dict, dict[str, np.ndarray]]:
+    """The report dict (see :mod:`outlier_titan.eval.report`) and the probe pictures.
+
+    ``calib_batches(seed)`` gives the calibration token batches of static schemes; each such scheme is run
+    once per seed in ``calib_seeds`` and reported as mean ± std (seed 002's protocol uses 3 seeds).
+    """
+    unknown = [s for s in schemes if s not in SCHEMES]
+    if unknown:
+        raise ValueError(f"unknown quantisation scheme(s) {', '.join(unknown)}; available: {', '.join(SCHEMES)}")
+    model.eval()
+    total = sum(labels.numel() for _, labels in eval_batches)
+    fp = perplexity(model, eval_batches, device, Progress("full precision", total, stream))
+    probe_scalars, images = OutlierProbe(model, Observe(mode="full", kurtosis_centered=True)).measure(
+        [t.to(device) for t in probe_tokens])
+    entries = []
+    for name in schemes:
+        scheme = SCHEMES[name]
+        seeds = list(calib_seeds) if scheme.calibrate else [None]
+        ppls, head = [], ""
+        for seed in seeds:
+            calib = [t.to(device) for t in calib_batches(seed)] if scheme.calibrate else None
+            label = name if seed is None else f"{name} (calibration seed {seed})"
+            with quantized(model, scheme, calib) as info:
+                ppls.append(perplexity(model, eval_batches, device, Progress(label, total, stream)).ppl)
+            head = info["head"]
+        entries.append(scheme_entry(name, scheme.description, head, ppls, fp.ppl))
+    report = {
+        "tokens": fp.tokens,
+        "seq_len": int(eval_batches[0][0].shape[1]),
+        "full_precision": {"ppl": fp.ppl, "loss": fp.loss},
+        "schemes": entries,
+        "probe": probe_scalars,
+    }
+    return report, images

@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""Evaluate a checkpoint: validation perplexity, post-training fake quantisation per scheme, probe metrics.
+
+    python scripts/evaluate.py --checkpoint outputs/debug/checkpoints/step-200 [--tokens 65536] [--out FILE]
+
+The run folder is the checkpoint's grandparent (``<run>/checkpoints/step-<N>``); its ``config.toml`` gives the
+model, data and tokenizer. A run folder or its ``checkpoints`` folder selects the newest checkpoint. The model is
+built at world size 1 and loaded from a DCP checkpoint of any world size.
+
+Writes ``FILE`` (JSON; default ``<run>/eval/step-<N>.json``), the markdown table next to it (``.md``) and the
+probe pictures (``.<name>.png``, if matplotlib is installed), and prints the table.
+
+Schemes: int8_fine, int8_fine_token, int8_moderate, int8_coarse (seed 000 absmax int8), int4_zeropoint (seed
+000), w8a8_static (seed 002: calibrated on ``--calib-batches`` training batches per seed, ``--calib-seeds``
+seeds, reported as mean ± std). See ``outlier_titan/quant/ptq.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from outlier_titan.errors import UserError  # noqa: E402
+from outlier_titan.quant.ptq import SCHEMES  # noqa: E402
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="<run>/checkpoints/step-<N> (or a run folder: newest)")
+    p.add_argument("--tokens", type=int, default=65536, help="validation tokens for each perplexity")
+    p.add_argument("--out", default=None, help="JSON report path (default <run>/eval/step-<N>.json)")
+    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes (default: all)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: training.seq_len)")
+    p.add_argument("--calib-batches", type=int, default=4, help="w8a8_static: calibration batches per seed")
+    p.add_argument("--calib-seeds", type=int, default=3, help="w8a8_static: calibration seeds (mean ± std)")
+    p.add_argument("--probe-sequences", type=int, default=None,
+                   help="validation sequences for the probe metrics (default: observe.batch_size x 4)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    return p.parse_args(argv)
+
+
+def _loader_fn():
+    try:
+        from outlier_titan.checkpoint import load_model_for_eval
+        return load_model_for_eval
+    except ImportError:
+        pass
+    try:
+        from outlier_titan.checkpoint.manager import load_model_for_eval
+        return load_model_for_eval
+    except ImportError:
+        raise UserError("this checkout has no outlier_titan.checkpoint.load_model_for_eval; "
+                        "update the repository") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        return run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from outlier_titan.checkpoint.manager import resolve_checkpoint_dir
+    from outlier_titan.data import build_dataloader
+    from outlier_titan.eval.perplexity import take_batches
+    from outlier_titan.eval.report import markdown
+    from outlier_titan.eval.runner import evaluate_model
+
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    bad = [s for s in schemes if s not in SCHEMES]
+    if bad:
+        raise UserError(f"--schemes: unknown {', '.join(bad)}; available: {', '.join(SCHEMES)}")
+    for flag in ("tokens", "batch_size", "calib_batches", "calib_seeds"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    ckpt = resolve_checkpoint_dir(args.checkpoint)
+    run_dir = ckpt.parent.parent
+    model, cfg, tokenizer = _loader_fn()(ckpt, device)
+    seq_len = args.seq_len or cfg.training.seq_len
+    bs = args.batch_size
+
+    def loader(split: str, seed: int):
+        return build_dataloader(cfg.data, tokenizer, seq_len=seq_len, global_batch_size=bs, micro_batch_size=bs,
+                                dp_rank=0, dp_degree=1, split=split, seed=seed)
+
+    eval_batches = take_batches(loader("validation", cfg.training.seed), args.tokens)
+    n_probe = args.probe_sequences or cfg.observe.batch_size * 4
+    probe_rows = torch.cat([inputs for inputs, _ in eval_batches])[:n_probe]
+    probe_tokens = list(probe_rows.split(max(1, cfg.observe.batch_size)))
+
+    def calib(seed: int) -> list[torch.Tensor]:
+        batches = []
+        for inputs, _ in loader("train", 1000 + seed):
+            batches.append(inputs)
+            if len(batches) == args.calib_batches:
+                break
+        return batches
+
+    report, images = evaluate_model(model, eval_batches=eval_batches, probe_tokens=probe_tokens,
+                                    calib_batches=calib, schemes=schemes, calib_seeds=range(args.calib_seeds),
+                                    device=device)
+    report = {"checkpoint": str(ckpt), "run": str(run_dir), **report,
+              "calibration": {"batches": args.calib_batches, "seeds": args.calib_seeds, "split": "train"}}
+    m = re.match(r"step-(\d+)$", ckpt.name)
+    if m:
+        report["step"] = int(m.group(1))
+    out = Path(args.out) if args.out else run_dir / "eval" / f"{ckpt.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    out.with_suffix(".md").write_text(table)
+    written = [out, out.with_suffix(".md")]
+    written += save_images(images, out)
+    print(table)
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
+
+
+def save_images(images: dict, out: Path) -> list[Path]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    for name, img in images.items():
+        path = out.with_suffix(f".{name.split('/')[-1]}.png")
+        plt.imsave(path, img)
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Evaluation: perplexity, progress line, token budget, the per-scheme report, and scripts/evaluate.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from outlier_titan.config.job_config import Model
+from outlier_titan.eval.perplexity import Progress, perplexity, take_batches
+from outlier_titan.eval.report import markdown
+from outlier_titan.eval.runner import evaluate_model
+from outlier_titan.models.init import Initializer
+from outlier_titan.models.registry import model_args
+from outlier_titan.quant.ptq import SCHEMES
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Uniform(nn.Module):
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, tokens):
+        return torch.zeros(*tokens.shape, self.vocab)
+
+
+def batches(n: int, b: int = 4, t: int = 8, vocab: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        w = torch.randint(0, vocab, (b, t + 1), generator=g)
+        yield w[:, :-1], w[:, 1:]
+
+
+def test_uniform_model_perplexity_is_vocab_size():
+    res = perplexity(Uniform(50), list(batches(3, vocab=50)), "cpu")
+    assert res.tokens == 3 * 4 * 8
+    assert res.ppl == pytest.approx(50.0, rel=1e-6)  # float32 log-softmax per token
+    assert res.loss == pytest.approx(math.log(50.0), rel=1e-7)
+
+
+def test_take_batches_cuts_to_whole_rows():
+    got = take_batches(batches(10), 20)  # 8 tokens a row: 3 rows reach 20
+    assert [x.shape for x, _ in got] == [(3, 8)]
+    got = take_batches(batches(10), 40)  # 32 from the first batch, then 1 row
+    assert [x.shape[0] for x, _ in got] == [4, 1]
+    with pytest.raises(ValueError):
+        take_batches(batches(1), 0)
+
+
+def test_progress_line():
+    s = io.StringIO()
+    p = Progress("fp", 100, stream=s)
+    for _ in range(10):
+        p.update(10)
+    p.close()
+    lines = s.getvalue().splitlines()
+    assert len(lines) == 4 and lines[-1].startswith("fp [") and "100% 100/100" in lines[-1]
+
+
+def debug_model():
+    spec, args = model_args(Model(name="pre_ln", flavor="debug"), vocab_size=256, seq_len=16)
+    m = spec.build(args)
+    m.init_weights(Initializer(0, "cpu"))
+    return m
+
+
+def test_evaluate_model_reports_every_scheme():
+    m = debug_model()
+    evals = list(batches(2, b=4, t=16, vocab=256))
+    calls = []
+
+    def calib(seed):
+        calls.append(seed)
+        return [x for x, _ in batches(2, b=2, t=16, vocab=256, seed=100 + seed)]
+
+    s = io.StringIO()
+    report, images = evaluate_model(m, eval_batches=evals, probe_tokens=[evals[0][0]], calib_batches=calib,
+                                    calib_seeds=(0, 1), stream=s)
+    fp = report["full_precision"]["ppl"]
+    assert fp == pytest.approx(perplexity(m, evals, "cpu").ppl, rel=1e-12)
+    assert [e["scheme"] for e in report["schemes"]] == list(SCHEMES)
+    for e in report["schemes"]:
+        assert math.isfinite(e["ppl"]) and e["delta"] == pytest.approx(e["ppl"] - fp)
+        assert e["ppl"] != fp, e["scheme"]  # quantisation changes the model
+    w8 = next(e for e in report["schemes"] if e["scheme"] == "w8a8_static")
+    assert len(w8["ppl_runs"]) == 2 and calls == [0, 1] and w8["head"] == "fp (tied to the embedding)"
+    assert "outliers/kurtosis_first" in report["probe"] and "outliers/attention_map" in images
+    assert "full precision [" in s.getvalue()
+    # the model is restored after every scheme
+    assert perplexity(m, evals, "cpu").ppl == pytest.approx(fp, rel=1e-12)
+    table = markdown({**report, "checkpoint": "x/step-1"})
+    for name in SCHEMES:
+        assert f"| {name} |" in table
+    assert "| full precision |" in table and " ± " in table and "| kurtosis_first |" in table
+
+
+def test_evaluate_script_user_errors(tmp_path, capsys):
+    ev = load_script("evaluate")
+    assert ev.main(["--checkpoint", str(tmp_path / "missing")]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+    assert ev.main(["--checkpoint", str(tmp_path), "--schemes", "int3"]) == 2
+    assert "unknown int3" in capsys.readouterr().err
