@@ -238,3 +238,16 @@ def test_every_scheme_runs_on_the_debug_model():
             assert 0 < (out - ref).abs().max() < ref.abs().max(), name
             assert info["linear_layers"] == 4 * 7 + (0 if name == "w8a8_static" else 1), name
         assert torch.equal(m(tokens), ref)
+
+
+def test_weight_cache_reuses_quantised_weights():
+    m = Toy()
+    cache = {}
+    calib = [torch.tensor([[1, 2, 3]])]
+    with torch.no_grad(), quantized(m, "w8a8_static", calib, weight_cache=cache):
+        first = m.proj.weight.clone()
+    assert set(cache) == {"proj"} and torch.equal(cache["proj"], first)
+    cache["proj"] = torch.full_like(first, 0.5)  # a cached value is used as is
+    with torch.no_grad(), quantized(m, "w8a8_static", calib, weight_cache=cache):
+        assert torch.equal(m.proj.weight, cache["proj"])
+    assert not torch.equal(m.proj.weight, cache["proj"])  # restored

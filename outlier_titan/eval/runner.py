@@ -41,11 +41,11 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
     for name in schemes:
         scheme = SCHEMES[name]
         seeds = list(calib_seeds) if scheme.calibrate else [None]
-        ppls, head = [], ""
+        ppls, head, weights = [], "", {}
         for seed in seeds:
             calib = [t.to(device) for t in calib_batches(seed)] if scheme.calibrate else None
             label = name if seed is None else f"{name} (calibration seed {seed})"
-            with quantized(model, scheme, calib) as info:
+            with quantized(model, scheme, calib, weight_cache=weights) as info:
                 ppls.append(perplexity(model, eval_batches, device, Progress(label, total, stream)).ppl)
             head = info["head"]
         entries.append(scheme_entry(name, scheme.description, head, ppls, fp.ppl))

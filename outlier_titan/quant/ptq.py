@@ -123,11 +123,13 @@ def calibrate_ranges(model: nn.Module, targets: dict[str, nn.Linear], batches: I
 
 @contextmanager
 def quantized(model: nn.Module, scheme: str | Scheme, calib_batches: Iterable[torch.Tensor] | None = None,
-              ) -> Iterator[dict]:
+              weight_cache: dict[str, torch.Tensor] | None = None) -> Iterator[dict]:
     """Applies a scheme to ``model`` inside the ``with`` block; yields a description of what was quantised.
 
     Static schemes calibrate their activation ranges on ``calib_batches`` (token tensors) with the weights
-    already quantised and the activations in full precision.
+    already quantised and the activations in full precision. ``weight_cache`` (a dict, filled on first use)
+    keeps the quantised weights of this scheme so that repeated applications (calibration seeds) skip the
+    weight quantisation, which for the MSE clip search is the expensive part.
     """
     s = SCHEMES[scheme] if isinstance(scheme, str) else scheme
     head = getattr(model, "output", None)
@@ -139,8 +141,14 @@ def quantized(model: nn.Module, scheme: str | Scheme, calib_batches: Iterable[to
     try:
         with torch.no_grad():
             if s.weight is not None:
-                for lin in targets.values():
-                    lin.weight.copy_(s.weight(lin.weight))
+                for name, lin in targets.items():
+                    if weight_cache is not None and name in weight_cache:
+                        lin.weight.copy_(weight_cache[name])
+                        continue
+                    wq = s.weight(lin.weight)
+                    lin.weight.copy_(wq)
+                    if weight_cache is not None:
+                        weight_cache[name] = wq.detach().clone()
         if s.act == "static":
             if calib_batches is None:
                 raise ValueError(f"scheme {s.name} needs calibration batches")

@@ -71,22 +71,22 @@ def symmetric_quantize(x: torch.Tensor, clip: float | torch.Tensor, bits: int = 
     return (q * scale).to(x.dtype)
 
 
-def mse_symmetric_clip(x: torch.Tensor, bits: int = 8, n_candidates: int = 100) -> float:
+def mse_symmetric_clip(x: torch.Tensor, bits: int = 8, n_candidates: int = 100,
+                       chunk_elements: int = 1 << 24) -> float:
     """The clip ``max|x| * i / n`` (i = 1..n) that minimises the MSE of :func:`symmetric_quantize` (first
-    minimum on ties), evaluated in float64."""
+    minimum on ties), evaluated in float64, candidates in chunks of about ``chunk_elements`` values."""
     xd = x.detach().to(torch.float64).reshape(-1)
     amax = float(xd.abs().max()) if xd.numel() else 0.0
     if amax == 0.0:
         return 0.0
     qmax = 2 ** (bits - 1) - 1
     clips = amax * torch.arange(1, n_candidates + 1, dtype=torch.float64, device=xd.device) / n_candidates
-    best, best_err = amax, math.inf
-    for c in clips.tolist():
-        s = c / qmax
-        err = float((torch.clamp(torch.round(xd / s), -qmax - 1, qmax) * s - xd).square().mean())
-        if err < best_err:
-            best, best_err = c, err
-    return best
+    per_chunk = max(1, chunk_elements // xd.numel())
+    errs = []
+    for c in clips.split(per_chunk):
+        s = (c / qmax)[:, None]
+        errs.append((torch.clamp(torch.round(xd / s), -qmax - 1, qmax) * s - xd).square().mean(1))
+    return float(clips[int(torch.cat(errs).argmin())])
 
 
 def asymmetric_params(lo: float, hi: float, bits: int = 8, eps: float = 1e-8) -> tuple[float, float]:
