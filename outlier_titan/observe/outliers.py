@@ -161,9 +161,10 @@ def residual_sums(x: torch.Tensor, centred: bool = False) -> dict[str, torch.Ten
     tok_max = absx.amax(-1).to(F64)  # [B, T]
     norms2 = sq.sum(-1)  # [B, T]
     out = {
-        "n_seq": x64.new_tensor(float(b)),
-        "n_tok": x64.new_tensor(float(b * t)),
-        "n_rest": x64.new_tensor(float(b * (t - 1))),
+        # counts via fill kernels (new_full), not host-to-device copies, so that hooks never sync the host
+        "n_seq": x64.new_full((), float(b)),
+        "n_tok": x64.new_full((), float(b * t)),
+        "n_rest": x64.new_full((), float(b * (t - 1))),
         "kurt_first": kurt[:, 0].sum(),
         "kurt_rest": kurt[:, 1:].sum(),
         "maxabs_first": tok_max[:, 0].sum(),
@@ -228,8 +229,8 @@ def attention_sums(probs: torch.Tensor, map_size: int = 0) -> dict[str, torch.Te
     p0 = p[..., 0].to(F64)
     plogp = torch.where(p > 0, p * p.clamp_min(torch.finfo(p.dtype).tiny).log(), p.new_zeros(()))
     out = {
-        "n_rows": p0.new_tensor(float(b * h * t)),
-        "n_rows_excl_q0": p0.new_tensor(float(b * h * (t - 1))),
+        "n_rows": p0.new_full((), float(b * h * t)),
+        "n_rows_excl_q0": p0.new_full((), float(b * h * (t - 1))),
         "argmax_first": hit.sum(),
         "argmax_first_excl_q0": hit[..., 1:].sum(),
         "mass_first": p0.sum(),
@@ -240,7 +241,7 @@ def attention_sums(probs: torch.Tensor, map_size: int = 0) -> dict[str, torch.Te
     if map_size > 0:
         k = min(map_size, t)
         out["map"] = p[:, :, :k, :k].sum((0, 1), dtype=F64)
-        out["n_maps"] = p0.new_tensor(float(b * h))
+        out["n_maps"] = p0.new_full((), float(b * h))
     return out
 
 
