@@ -1,5 +1,5 @@
-"""Probe metrics under FSDP2 (2 and 4 ranks) and FSDP 2 x TP 2 (sequence parallel) equal the 1-rank metrics
-on the same model and probe batch (gloo, CPU)."""
+"""Probe metrics under FSDP2 (2 and 4 ranks), HSDP 2 x 2 and FSDP 2 x TP 2 (sequence parallel) equal the
+1-rank metrics on the same model and probe batch (gloo, CPU)."""
 
 from __future__ import annotations
 
@@ -48,18 +48,19 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
 
     results = {}
     try:
-        for dp_shard, tp in layouts:
-            mesh = ParallelDims(1, dp_shard, tp, world).build_mesh("cpu")
+        for dp_replicate, dp_shard, tp in layouts:
+            mesh = ParallelDims(dp_replicate, dp_shard, tp, world).build_mesh("cpu")
+            dp_mesh = mesh["dp_replicate", "dp_shard"] if dp_replicate > 1 else mesh["dp_shard"]
             for flavor in FLAVORS:
                 spec, args, model = build(flavor, "meta")
                 if tp > 1:
                     spec.tp_plan(model, mesh["tp"], args)
-                apply_fsdp(model, mesh["dp_shard"], torch.float32, torch.float32)
+                apply_fsdp(model, dp_mesh, torch.float32, torch.float32)
                 model.to_empty(device="cpu")
                 model.init_weights(Initializer(SEED, "cpu"))
-                dp_rank, per = mesh["dp"].get_local_rank(), BATCH // dp_shard
+                dp_rank, per = mesh["dp"].get_local_rank(), BATCH // (dp_replicate * dp_shard)
                 share = probe_tokens()[dp_rank * per:(dp_rank + 1) * per]
-                results[(dp_shard, tp, flavor)] = OutlierProbe(model, OBSERVE, mesh).run(share)
+                results[(dp_replicate, dp_shard, tp, flavor)] = OutlierProbe(model, OBSERVE, mesh).run(share)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -90,12 +91,12 @@ def assert_same(got: tuple, ref: tuple, what: str) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world,layouts", [(2, [(2, 1)]), (4, [(4, 1), (2, 2)])],
-                         ids=["fsdp2", "fsdp4-and-fsdp2xtp2"])
+@pytest.mark.parametrize("world,layouts", [(2, [(1, 2, 1)]), (4, [(1, 4, 1), (2, 2, 1), (1, 2, 2)])],
+                         ids=["fsdp2", "fsdp4-hsdp2x2-fsdp2xtp2"])
 def test_distributed_probe_equals_one_rank(world, layouts, tmp_path):
     refs = {flavor: reference(flavor) for flavor in FLAVORS}
     per_rank = run_ranks(world, layouts, tmp_path)
-    for key, ref in ((k, refs[k[2]]) for k in per_rank[0]):
+    for key, ref in ((k, refs[k[-1]]) for k in per_rank[0]):
         assert_same(per_rank[0][key], ref, f"{key} rank 0")
         for r in range(1, world):  # identical on every rank, not only close
             assert per_rank[r][key][0] == per_rank[0][key][0], (key, r)
