@@ -113,7 +113,8 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, self.rank, cfg.metrics.tensorboard)
         self.throughput = Throughput(self.flops_per_token, self.device, self.world_size)
         self.probe = None
-        self.preempted = False
+        self.sigterm_received = False  # set by the signal handler on this rank
+        self.preempted = False  # any rank received SIGTERM (reduced)
         self.tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
 
     def model_layers(self) -> int:
@@ -248,13 +249,16 @@ class Trainer:
 
     def _install_sigterm(self) -> None:
         if self.cfg.checkpoint.enable:
-            signal.signal(signal.SIGTERM, lambda *_: setattr(self, "preempted", True))
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, *_):
+        self.sigterm_received = True
 
     def _preempt_now(self) -> bool:
         """True on every rank once any rank got SIGTERM (Slurm preemption)."""
         if not self.cfg.checkpoint.enable:
             return False
-        flag = torch.tensor([1.0 if self.preempted else 0.0])
+        flag = torch.tensor([1.0 if self.sigterm_received else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group())
         self.preempted = bool(flag.item())
         return self.preempted

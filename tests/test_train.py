@@ -102,3 +102,27 @@ def test_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
     assert run.returncode == 2
     assert "model.softmax" in run.stderr and "start a new run" in run.stderr
     assert sorted((p.name, p.stat().st_size) for p in ckpt.iterdir()) == before
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.launch import REPO
+
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "train_configs/debug.toml"), *TINY,
+           "--training.steps", "100000", "--checkpoint.enable", "true", "--checkpoint.interval", "100000",
+           "--job.dump_folder", str(tmp_path), "--job.name", "pre"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in proc.stdout:
+        if line.startswith("step      2"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "SIGTERM received" in out
+    steps = [int(p.name.split("-")[1]) for p in (tmp_path / "pre" / "checkpoints").glob("step-*")]
+    assert len(steps) == 1 and 2 <= steps[0] < 100000

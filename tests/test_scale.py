@@ -1,0 +1,104 @@
+"""Scale-out equivalence on gloo CPU ranks: TP, HSDP, activation checkpointing, compile, grad accumulation,
+DCP resharding between layouts, and the dry-run planner."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.launch import REPO, TINY, assert_losses_close, train
+
+pytestmark = pytest.mark.dist
+
+LAYOUTS = {
+    "fsdp2": (2, []),
+    "fsdp2_tp2": (4, ["--parallelism.tp", "2"]),
+    "hsdp2x2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("ref"), *TINY, "--model.flavor", "debug_llama").check()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layouts_match_world_size_one(tmp_path, reference, layout):
+    nproc, extra = LAYOUTS[layout]
+    run = train(tmp_path, *TINY, "--model.flavor", "debug_llama", *extra, nproc=nproc).check()
+    assert_losses_close(run.losses, reference.losses, rtol=1e-4)
+    assert run.losses[20] < run.losses[1]
+
+
+def test_gpt2_style_tp_with_learned_positions_and_tied_head(tmp_path):
+    one = train(tmp_path, *TINY, "--training.steps", "8", name="one").check()
+    tp = train(tmp_path, *TINY, "--training.steps", "8", "--parallelism.tp", "2", nproc=2, name="tp").check()
+    assert_losses_close(tp.losses, one.losses, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", [("full", "1"), ("selective", "2"), ("selective", "0")])
+def test_activation_checkpointing_matches(tmp_path, reference, mode):
+    run = train(tmp_path, *TINY, "--model.flavor", "debug_llama", "--activation_checkpoint.mode", mode[0],
+                "--activation_checkpoint.selective_every", mode[1]).check()
+    assert_losses_close(run.losses, reference.losses, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_compile_matches_eager(tmp_path, reference):
+    run = train(tmp_path, *TINY, "--model.flavor", "debug_llama", "--compile.enable", "true", timeout=900).check()
+    assert_losses_close(run.losses, reference.losses, rtol=1e-4)
+
+
+def test_grad_accumulation_equals_big_batch(tmp_path, reference):
+    run = train(tmp_path, *TINY, "--model.flavor", "debug_llama", "--training.micro_batch_size", "2").check()
+    assert_losses_close(run.losses, reference.losses, rtol=1e-5)
+
+
+def test_checkpoint_reshards_from_fsdp_tp_to_fsdp_and_one_rank(tmp_path):
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "10", "--lr_scheduler.total_steps", "20",
+            "--model.flavor", "debug_llama"]
+    full = train(tmp_path / "full", *TINY, *ckpt, "--parallelism.tp", "2", nproc=4).check()
+    train(tmp_path / "half", *TINY, *ckpt, "--parallelism.tp", "2", "--training.steps", "10", nproc=4).check()
+    src = tmp_path / "half" / "run" / "checkpoints" / "step-10"
+    for nproc in (2, 1):
+        dst = tmp_path / f"to{nproc}" / "run" / "checkpoints"
+        dst.mkdir(parents=True)
+        subprocess.run(["cp", "-r", str(src), str(dst / "step-10")], check=True)
+        run = train(tmp_path / f"to{nproc}", *TINY, *ckpt, nproc=nproc).check()
+        assert "resumed from" in run.stdout
+        after = {s: v for s, v in run.losses.items() if s > 10}
+        assert sorted(after) == list(range(11, 21))
+        assert_losses_close(after, {s: full.losses[s] for s in after}, rtol=1e-4)
+
+
+def llama_closed_form(dim, n_layers, n_heads, n_kv_heads, ffn, vocab):
+    head = dim // n_heads
+    attn = dim * head * n_heads * 2 + dim * head * n_kv_heads * 2
+    per_layer = attn + 3 * dim * ffn + 2 * dim
+    return vocab * dim * 2 + n_layers * per_layer + dim
+
+
+def test_dry_run_7b_on_4x8_is_fast_and_counts_exactly():
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "train_configs/debug.toml"),
+                           "--dry_run", "--model.flavor", "llama_7b", "--parallelism.dp_shard", "4",
+                           "--parallelism.tp", "8", "--training.seq_len", "4096", "--training.global_batch_size",
+                           "32", "--activation_checkpoint.mode", "full"],
+                          capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert elapsed < 60
+    expected = llama_closed_form(4096, 32, 32, 32, 11008, 4096)
+    assert f"parameters        {expected:,}" in proc.stdout, proc.stdout
+    # rank 0 holds 1/32 of every matrix (all dims divide evenly) plus its shard of the gains
+    assert f"per-rank params   {expected // 32:,}" in proc.stdout, proc.stdout
+    for row in ("parameters (fp32)", "gradients (fp32)", "optimizer state (adamw)", "activations (estimate",
+                "total"):
+        assert row in proc.stdout
+
+
+def test_mesh_that_does_not_fit_world_size_is_a_one_line_error(tmp_path):
+    run = train(tmp_path, *TINY, "--parallelism.tp", "2", "--parallelism.dp_shard", "2", nproc=2)
+    assert run.returncode != 0
+    assert "but the world size is 2" in run.stderr
