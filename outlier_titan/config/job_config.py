@@ -54,6 +54,26 @@ class Optimizer:
     momentum: bool = opt(True, "SGD: use momentum beta1 (false = plain SGD).")
     no_decay: list = opt(["norm", "bias", "embedding"],
                          "Parameter classes without weight decay: any of norm, bias, embedding, gain.")
+    tile_size: int = opt(256, "orthoadam/soap: tile edge on each parameter's global grid (per axis; shards must "
+                              "fall on tile edges).")
+    tile_size_overrides: list = opt([], "orthoadam/soap: per-parameter tile edges, 'FQN_GLOB=SIZE' or "
+                                        "'FQN_GLOB:AXIS=SIZE' (last match wins), e.g. 'layers.*.wo.weight:1=64'.")
+    tile_alignment: str = opt("strict", "orthoadam/soap: a shard boundary off the tile grid fails at start-up "
+                                        "(strict) or shrinks that tile and records it in the checkpoint (adapt).",
+                              ("strict", "adapt"))
+    basis: str = opt("hadamard", "orthoadam: fixed tile bases: randomized Hadamard, Haar, or identity "
+                                 "(= AdamW; tests and ablations).", ("hadamard", "haar", "identity"))
+    precondition_frequency: int = opt(10, "soap: eigenbasis refresh period (steps), staggered over tiles.")
+    shampoo_beta: float = opt(-1.0, "soap: EMA factor of the Shampoo factors (< 0: beta2).")
+    refresh_stagger: bool = opt(True, "soap: spread refreshes over tiles (tile k when (t + k) % f == 0).")
+    soap_factor_dtype: str = opt("float64", "soap: dtype of the L/R factors (float64 keeps small-eigenvalue "
+                                            "directions above rounding noise; moments and bases stay fp32).",
+                                 ("float64", "float32"))
+    max_precond_dim: int = opt(10000, "orthoadam/soap: an axis longer than this is not rotated.")
+    vocab_axis: str = opt("identity", "orthoadam/soap: the vocabulary axis of tok_embeddings/output: not "
+                                      "rotated (identity) or tiled like the others.", ("identity", "tile"))
+    one_d: str = opt("adamw", "orthoadam/soap: 1-D parameters (gains, biases): unrotated Adam, or rotated in "
+                              "tiles.", ("adamw", "rotate"))
 
 
 @dataclass

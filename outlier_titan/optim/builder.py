@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from outlier_titan.config.job_config import Optimizer as OptimizerConfig
 from outlier_titan.errors import UserError
+from outlier_titan.optim.tile_optimizers import build_orthoadam, build_soap
 
 NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
 
@@ -80,6 +81,8 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
     "adam": _adam,
     "sgd": _sgd,
     "rmsprop": _rmsprop,
+    "orthoadam": build_orthoadam,
+    "soap": build_soap,
 }
 
 

@@ -1,0 +1,129 @@
+"""Fixed orthogonal tile bases for OrthoAdam, regenerated from a seed.
+
+Every basis is a function of (global seed, parameter FQN, axis, tile index) only: the seed is a blake2b
+digest of those four values (never Python's salted ``hash()``, never the parameter's position in the
+optimizer), and the matrix is drawn on a CPU generator in float64. So any rank rebuilds exactly the bases
+of the tiles it owns, at any world size, and bases never need to be checkpointed.
+
+Representations (``optimizer.basis``):
+  haar      Q of the QR decomposition of a Gaussian matrix, columns sign-fixed by diag(R) (Haar measure).
+  hadamard  randomized Hadamard P·D·H/sqrt(n): a Sylvester Hadamard matrix, random signs D and a random
+            row permutation P. Every rotated coordinate spreads +-1/sqrt(n) over the whole tile.
+            Needs power-of-two tile sizes.
+  identity  the identity (no rotation): OrthoAdam becomes AdamW. For tests and ablations only.
+
+A signed permutation (or diagonal signs alone) is rejected: Adam is exactly equivariant to it, so such a
+"rotation" changes nothing (reference/anchor_optimizers.md §4.3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+import torch
+
+BasisFn = Callable[[int, int], torch.Tensor]
+"""(size, seed) -> a float64 [size, size] orthogonal matrix whose columns are the new basis vectors."""
+
+_SEED_BITS = 63
+
+
+def tile_seed(global_seed: int, fqn: str, axis: int, tile_index: int) -> int:
+    """A 63-bit seed from (global seed, FQN, axis, tile index), stable across processes and machines."""
+    key = f"outlier_titan.tile_basis|{int(global_seed)}|{fqn}|{int(axis)}|{int(tile_index)}".encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << _SEED_BITS) - 1)
+
+
+def _generator(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+def haar_basis(size: int, seed: int) -> torch.Tensor:
+    """A Haar-distributed orthogonal matrix: QR of a float64 Gaussian, columns multiplied by sign(diag R)."""
+    a = torch.randn(size, size, generator=_generator(seed), dtype=torch.float64)
+    q, r = torch.linalg.qr(a)
+    signs = torch.sign(torch.diagonal(r))
+    signs[signs == 0] = 1.0
+    return q * signs
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def sylvester_hadamard(size: int) -> torch.Tensor:
+    """The normalised Sylvester Hadamard matrix H/sqrt(n) (float64); ``size`` must be a power of two."""
+    if not is_power_of_two(size):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {size}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < size:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / (size ** 0.5)
+
+
+def hadamard_basis(size: int, seed: int) -> torch.Tensor:
+    """Randomized Hadamard P·D·H/sqrt(n): random signs on the rows of H, then a random row permutation."""
+    g = _generator(seed)
+    signs = torch.randint(0, 2, (size,), generator=g, dtype=torch.int64).to(torch.float64) * 2 - 1
+    perm = torch.randperm(size, generator=g)
+    return (signs[:, None] * sylvester_hadamard(size))[perm]
+
+
+def identity_basis(size: int, seed: int) -> torch.Tensor:
+    return torch.eye(size, dtype=torch.float64)
+
+
+REPRESENTATIONS: dict[str, BasisFn] = {
+    "hadamard": hadamard_basis,
+    "haar": haar_basis,
+    "identity": identity_basis,
+}
+
+
+def is_signed_permutation(basis: torch.Tensor, tol: float = 1e-9) -> bool:
+    """True when every column is +-1 at one entry and 0 elsewhere (such a basis is a no-op for Adam)."""
+    b = basis.abs().to(torch.float64)
+    ones = (b - 1.0).abs() <= tol
+    zeros = b <= tol
+    return bool(((ones | zeros).all() and (ones.sum(0) == 1).all()).item())
+
+
+def check_basis(basis: torch.Tensor, size: int, where: str, allow_trivial: bool = False) -> None:
+    """Raises ValueError unless ``basis`` is a finite orthogonal [size, size] matrix that really mixes."""
+    if tuple(basis.shape) != (size, size):
+        raise ValueError(f"{where}: basis has shape {tuple(basis.shape)}, expected ({size}, {size})")
+    if not torch.isfinite(basis).all():
+        raise ValueError(f"{where}: basis has non-finite entries")
+    b = basis.to(torch.float64)
+    err = (b.T @ b - torch.eye(size, dtype=torch.float64)).abs().max().item()
+    if err > 1e-8:
+        raise ValueError(f"{where}: basis is not orthogonal (max |B^T B - I| = {err:.2e})")
+    if size >= 2 and not allow_trivial and is_signed_permutation(b):
+        raise ValueError(f"{where}: basis is a signed permutation, which Adam is equivariant to (a no-op "
+                         f"rotation); use a mixing basis such as 'hadamard' or 'haar'")
+
+
+def resolve_representation(basis: str | BasisFn) -> tuple[str, BasisFn]:
+    """(name, function) for a representation name or a custom (size, seed) -> matrix function."""
+    if callable(basis):
+        return getattr(basis, "__name__", "custom"), basis
+    if basis not in REPRESENTATIONS:
+        raise ValueError(f"optimizer.basis = {basis!r} is not known; choose one of: {', '.join(REPRESENTATIONS)}")
+    return basis, REPRESENTATIONS[basis]
+
+
+def basis_checksum(name: str, fn: BasisFn, global_seed: int, sizes: list[int]) -> str:
+    """A short digest of probe bases (one per tile size in use), rounded to 2^-24 so that BLAS-level
+    differences between machines do not change it, while a different seed, representation, seed hash
+    or generator does."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{name}|{int(global_seed)}".encode())
+    for size in sorted(set(sizes)):
+        probe = fn(size, tile_seed(global_seed, "__checksum__", 0, size)).to(torch.float64)
+        h.update(f"|{size}|".encode())
+        h.update(torch.round(probe * (1 << 24)).to(torch.int64).numpy().tobytes())
+    return h.hexdigest()

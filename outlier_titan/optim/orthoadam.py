@@ -1,0 +1,132 @@
+"""OrthoAdam (seed 000, Algorithm 1) on the tile engine: Adam whose moments live in a fixed orthogonal basis.
+
+The paper's Q is a dense orthogonal matrix over the whole flattened parameter, which is infeasible; here
+Q = ⊕_tiles (B0 ⊗ B1), a Kronecker product of per-axis tile bases on the global tile grid (a legal instance
+of Algorithm 1, seed_orthoadam.md §2.4). Each basis is regenerated from (global seed, FQN, axis, tile) on
+every rank that owns the tile (see ``bases.py``), so nothing but a spec and a checksum is checkpointed.
+
+Update per tile (bias-corrected as in Algorithm 1 and torch AdamW, eps added to sqrt(v̂)):
+    Ĝ = B0ᵀ G B1;  m̂ ← lerp(m̂, Ĝ, 1-β1);  v̂ ← β2 v̂ + (1-β2) Ĝ²
+    θ ← θ (1 - lr·wd) - lr/(1-β1^t) · B0 [m̂ / (√v̂/√(1-β2^t) + ε)] B1ᵀ
+With identity bases this is exactly torch.optim.AdamW.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from outlier_titan.errors import UserError
+from outlier_titan.optim.bases import (BasisFn, basis_checksum, check_basis, is_signed_permutation,
+                                       resolve_representation, tile_seed)
+from outlier_titan.optim.tile_engine import (EngineOptions, ParamPlan, TileAdamBase, from_tiles, local,
+                                             rotate_tiles, state_dtype_for, to_tiles)
+
+
+class OrthoAdam(TileAdamBase):
+    """Adam in fixed, seeded, tile-local Kronecker bases; decoupled weight decay in the parameter basis.
+
+    Args:
+        params: param groups with ``names`` (FQNs), as ``build_param_groups`` makes them.
+        seed: the global seed the bases are derived from (with FQN, axis and tile index).
+        basis: "hadamard", "haar", "identity" (AdamW; tests and ablations) or a callable
+            ``(size, seed) -> [size, size] float64 orthogonal matrix``.
+        options: tile-engine options (tile size, overrides, alignment, vocab / 1-D handling).
+        flag_group: process group of the non-finite flag all-reduce (default: the world).
+    """
+
+    spec_keys = ("basis_spec",)
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, *, seed: int = 0, basis: str | BasisFn = "hadamard",
+                 options: EngineOptions | None = None, flag_group=None) -> None:
+        name, fn = resolve_representation(basis)
+        options = options or EngineOptions()
+        if name != "identity" and options.tile_size < 2:
+            raise UserError(f"optimizer.tile_size = {options.tile_size}: a rotation needs tiles of at least 2")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, options, pow2=(name == "hadamard"), flag_group=flag_group)
+        self.seed = int(seed)
+        self.representation = name
+        self._basis_fn = fn
+        self._bases: dict[torch.Tensor, tuple] = {}
+        for p, plan in self.plans.items():
+            self._bases[p] = (self._axis_bases(p, plan, 0), self._axis_bases(p, plan, 1))
+        sizes = sorted({s for plan in self.plans.values() for ax in plan.axes if ax.rotate
+                        for s in (ax.tile, ax.size % ax.tile) if s >= 2})
+        spec = f"{name};seed={self.seed};checksum={basis_checksum(name, fn, self.seed, sizes)}"
+        for group in self.param_groups:
+            group["basis_spec"] = spec
+        self._materialize()
+
+    def _axis_bases(self, p: torch.Tensor, plan: ParamPlan, axis: int) -> dict[int, torch.Tensor] | None:
+        """{segment position: [count, s, s] bases of the segment's tiles}, or None for an unrotated axis."""
+        ax = plan.axes[axis]
+        if not ax.rotate:
+            return None
+        lp = local(p)
+        dtype = state_dtype_for(p)
+        trusted = self.representation in ("hadamard", "haar")
+        out = {}
+        for seg in ax.segments:
+            mats = []
+            for g in ax.local_tiles[seg.pos:seg.pos + seg.count]:
+                b = self._basis_fn(seg.size, tile_seed(self.seed, plan.fqn, axis, g))
+                where = f"optimizer: {plan.fqn} axis {axis} tile {g}"
+                if not trusted:
+                    check_basis(b, seg.size, where, allow_trivial=self.representation == "identity")
+                elif seg.size >= 2 and is_signed_permutation(b):
+                    # Orthogonal by construction; still refuse a basis that does not mix.
+                    raise ValueError(f"{where}: basis is a signed permutation (a no-op rotation for Adam)")
+                mats.append(b)
+            out[seg.pos] = torch.stack(mats).to(device=lp.device, dtype=dtype)
+        return out
+
+    def _rotate(self, x: torch.Tensor, p: torch.Tensor, plan: ParamPlan, transpose: bool) -> torch.Tensor:
+        """B0ᵀ X B1 per tile (``transpose``: B0 X B1ᵀ), batched over each region's equal-size tiles; every
+        product has the tile's shape, whatever the layout. Returns ``x`` when nothing rotates."""
+        if not plan.rotated or x.numel() == 0:
+            return x
+        b0, b1 = self._bases[p]
+        out = torch.empty_like(x)
+        for rseg, cseg in plan.regions():
+            q0 = b0[rseg.pos][:, None] if b0 is not None else None
+            q1 = b1[cseg.pos][None] if b1 is not None else None
+            from_tiles(out, rotate_tiles(to_tiles(x, rseg, cseg), q0, q1, transpose), rseg, cseg)
+        return out
+
+    def _init_state(self, p, plan, group):
+        return self._moments(p, plan)
+
+    def _apply(self, work: list) -> None:
+        ms, vs, ghats, items = [], [], [], []
+        for group, p, plan, g in work:
+            st = self.state[p]
+            st["step"] += 1
+            dt = state_dtype_for(p)
+            g2 = plan.view2d(g.to(dt)).contiguous()
+            ghats.append(self._rotate(g2, p, plan, transpose=False))
+            ms.append(plan.view2d(local(st["exp_avg"])))
+            vs.append(plan.view2d(local(st["exp_avg_sq"])))
+            items.append((group, p, plan, float(st["step"])))
+        one_minus_b1 = [1.0 - group["betas"][0] for group, *_ in items]
+        b2 = [group["betas"][1] for group, *_ in items]
+        one_minus_b2 = [1.0 - x for x in b2]
+        for i in range(len(ms)):
+            ms[i].lerp_(ghats[i], one_minus_b1[i])
+        torch._foreach_mul_(vs, b2)
+        for i in range(len(vs)):
+            vs[i].addcmul_(ghats[i], ghats[i], value=one_minus_b2[i])
+        bc2_sqrt = [(1.0 - group["betas"][1] ** t) ** 0.5 for group, _, _, t in items]
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, bc2_sqrt)
+        torch._foreach_add_(denom, [float(group["eps"]) for group, *_ in items])
+        steps = torch._foreach_div(ms, denom)
+        for (group, p, plan, t), s in zip(items, steps):
+            lr = float(group["lr"])
+            u = self._rotate(s, p, plan, transpose=True)
+            lp = plan.view2d(local(p))
+            wd = float(group["weight_decay"])
+            if wd:
+                lp.mul_(1.0 - lr * wd)
+            lp.add_(u.to(lp.dtype), alpha=-lr / (1.0 - group["betas"][0] ** t))
+

@@ -1,0 +1,285 @@
+"""SOAP (Vyas et al. 2024) on the tile engine: Adam in the eigenbasis of per-tile Shampoo factors.
+
+Each tile T of a 2-D weight (global grid, see ``tile_engine``) keeps its own factors L_T = EMA(G Gᵀ),
+R_T = EMA(Gᵀ G) and eigenbases Q_L, Q_R. The order of operations is the official implementation's
+(reference/anchor_optimizers.md §1.4-1.8):
+
+* first call for a parameter: factors ← (1-β_s)·G Gᵀ / Gᵀ G, bases ← eigh (descending), no update;
+* later calls: project Ĝ = Q_Lᵀ G Q_R with the *old* bases; m̂ (kept in the rotated basis) and v̂ Adam
+  moments; U = Q_L [m̂ / (√v̂ + ε)] Q_Rᵀ; θ ← θ - lr·√(1-β2^t)/(1-β1^t)·U; then θ ← θ - lr·wd·θ;
+* then the factors take the current G (lerp with 1-β_s); a tile due for refresh re-sorts its bases by
+  diag(Qᵀ P Q) descending, permutes v̂ the same way, and takes one power-iteration step Q ← qr(P Q).Q;
+  m̂ is rotated from the old to the new basis (only on refresh, which is equivalent to the official
+  every-step back-and-forth).
+
+Differences by design: tiles instead of whole axes (``tile_size``; an axis longer than ``max_precond_dim``
+or a vocabulary axis has no factor), refreshes staggered over tiles (tile k refreshes when
+(t + k) % f == 0; tile 0 follows the published schedule), fp32 state whatever the gradient dtype, eigh
+with a float64 retry, and a refresh that fails (non-finite) keeps the old basis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from outlier_titan.errors import UserError
+from outlier_titan.optim.tile_engine import (EngineOptions, ParamPlan, TileAdamBase, as_global, from_tiles, local,
+                                             rotate_tiles, state_dtype_for, to_tiles)
+
+FACTOR_KEYS = ("L", "R")
+BASIS_KEYS = ("QL", "QR")
+
+
+class SOAP(TileAdamBase):
+    """SOAP with per-tile Kronecker factors; see the module docstring.
+
+    Args:
+        params: param groups with ``names`` (FQNs).
+        precondition_frequency: eigenbasis refresh period f, in updates.
+        shampoo_beta: EMA factor of L/R; < 0 means beta2 (the official default).
+        stagger: spread refreshes over tiles ((t + k) % f == 0 for global tile index k).
+        options: tile-engine options.
+    """
+
+    spec_keys = ("soap_spec",)
+    group_other_axis = True
+    stacked_state = True
+
+    def __init__(self, params, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.01, *, precondition_frequency: int = 10, shampoo_beta: float = -1.0,
+                 stagger: bool = True, factor_dtype: str = "float64", options: EngineOptions | None = None,
+                 flag_group=None) -> None:
+        if precondition_frequency < 1:
+            raise UserError(f"optimizer.precondition_frequency = {precondition_frequency} must be >= 1")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, options or EngineOptions(), flag_group=flag_group)
+        self.frequency = int(precondition_frequency)
+        self.shampoo_beta = float(shampoo_beta)
+        self.stagger = bool(stagger)
+        if factor_dtype not in ("float64", "float32"):
+            raise UserError(f"optimizer.soap_factor_dtype = {factor_dtype!r}; choose float64 or float32")
+        self.factor_dtype = getattr(torch, factor_dtype)
+        self.failed_refreshes = 0
+        for group in self.param_groups:
+            sb = self.shampoo_beta if self.shampoo_beta >= 0 else group["betas"][1]
+            group["soap_spec"] = (f"f={self.frequency};shampoo_beta={sb!r};stagger={int(self.stagger)};"
+                                  f"order=official(project-old,moments,update,wd,factors,sort+permute-v,qr)")
+        self._materialize()
+
+    # -- state ----------------------------------------------------------------------------------------
+    def _init_state(self, p: torch.Tensor, plan: ParamPlan, group: dict) -> dict:
+        st = self._moments(p, plan)
+        st["initialized"] = torch.tensor(0.0, dtype=torch.float32)
+        a0, a1 = plan.axes
+        dt = state_dtype_for(p)
+        device = local(p).device
+        for axis in (0, 1):
+            if not plan.axes[axis].rotate:
+                continue
+            t = plan.axes[axis].tile
+            lshape = (len(a0.local_tiles), len(a1.local_tiles), t, t)
+            gshape = (a0.n_tiles, a1.n_tiles, t, t)
+            eye = torch.eye(t, dtype=dt, device=device).expand(lshape).contiguous()
+            fdt = torch.float64 if dt == torch.float64 else self.factor_dtype
+            st[FACTOR_KEYS[axis]] = as_global(torch.zeros(lshape, dtype=fdt, device=device), plan, gshape)
+            st[BASIS_KEYS[axis]] = as_global(eye, plan, gshape)
+        return st
+
+    def _beta_s(self, group: dict) -> float:
+        return self.shampoo_beta if self.shampoo_beta >= 0 else group["betas"][1]
+
+    @staticmethod
+    def _slices(st: dict, plan: ParamPlan, rseg, cseg) -> tuple:
+        """(L, R, QL, QR) views of this region's tiles (None where the axis does not rotate)."""
+        rows = slice(rseg.pos, rseg.pos + rseg.count)
+        cols = slice(cseg.pos, cseg.pos + cseg.count)
+        out = []
+        for key, axis, s in (("L", 0, rseg.size), ("R", 1, cseg.size), ("QL", 0, rseg.size), ("QR", 1, cseg.size)):
+            out.append(local(st[key])[rows, cols, :s, :s] if plan.axes[axis].rotate else None)
+        return tuple(out)
+
+    # -- step -----------------------------------------------------------------------------------------
+    def _apply(self, work: list) -> None:
+        ms, vs, ghats, items = [], [], [], []
+        with _precise_matmul(work):
+            for group, p, plan, g in work:
+                st = self.state[p]
+                g2 = plan.view2d(g.to(state_dtype_for(p))).contiguous()
+                if not bool(st["initialized"]):
+                    self._first_call(st, plan, g2, group)
+                    continue
+                st["step"] += 1
+                tiles = {}
+                ghat = torch.empty_like(g2) if plan.rotated else g2
+                for rseg, cseg in plan.regions():
+                    if not plan.rotated:
+                        break
+                    g4 = to_tiles(g2, rseg, cseg)
+                    tiles[(rseg.pos, cseg.pos)] = g4
+                    _, _, ql, qr = self._slices(st, plan, rseg, cseg)
+                    from_tiles(ghat, rotate_tiles(g4, ql, qr, transpose=False), rseg, cseg)
+                ms.append(plan.view2d(local(st["exp_avg"])))
+                vs.append(plan.view2d(local(st["exp_avg_sq"])))
+                ghats.append(ghat)
+                items.append((group, p, plan, float(st["step"]), tiles))
+            if not items:
+                return
+            for i, (group, *_rest) in enumerate(items):
+                b1, b2 = group["betas"]
+                ms[i].lerp_(ghats[i], 1.0 - b1)
+                vs[i].mul_(b2).addcmul_(ghats[i], ghats[i], value=1.0 - b2)
+            denom = torch._foreach_sqrt(vs)
+            torch._foreach_add_(denom, [float(group["eps"]) for group, *_ in items])
+            steps = torch._foreach_div(ms, denom)
+            for (group, p, plan, t, tiles), s in zip(items, steps):
+                st = self.state[p]
+                b1, b2 = group["betas"]
+                lr = float(group["lr"])
+                u = torch.empty_like(s) if plan.rotated else s
+                for rseg, cseg in plan.regions():
+                    if not plan.rotated:
+                        break
+                    _, _, ql, qr = self._slices(st, plan, rseg, cseg)
+                    from_tiles(u, rotate_tiles(to_tiles(s, rseg, cseg), ql, qr, transpose=True), rseg, cseg)
+                lp = plan.view2d(local(p))
+                lp.add_(u.to(lp.dtype), alpha=-lr * (1.0 - b2 ** t) ** 0.5 / (1.0 - b1 ** t))
+                wd = float(group["weight_decay"])
+                if wd:
+                    lp.add_(lp, alpha=-lr * wd)
+                if plan.rotated:
+                    self._update_preconditioner(st, plan, tiles, int(t), self._beta_s(group))
+
+    def _first_call(self, st: dict, plan: ParamPlan, g2: torch.Tensor, group: dict) -> None:
+        """Factors from the first gradient and eigh bases; the parameter is not updated."""
+        beta_s = self._beta_s(group)
+        for rseg, cseg in plan.regions():
+            if not plan.rotated:
+                break
+            g4 = to_tiles(g2, rseg, cseg)
+            lf, rf, ql, qr = self._slices(st, plan, rseg, cseg)
+            _accumulate(lf, rf, g4, beta_s)
+            if lf is not None:
+                ql.copy_(self._eigh_bases(lf, ql))
+            if rf is not None:
+                qr.copy_(self._eigh_bases(rf, qr))
+        st["initialized"].fill_(1.0)
+
+    def _eigh_bases(self, factors: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """Eigenvectors in descending eigenvalue order, per tile; float64 retry; failures keep ``old``."""
+        s = factors.shape[-1]
+        mats = factors.reshape(-1, s, s)
+        out = old.reshape(-1, s, s).clone()
+        vecs = _eigh_descending(mats)
+        if vecs is not None:
+            out.copy_(vecs)
+        else:
+            for i in range(mats.shape[0]):
+                one = _eigh_descending(mats[i])
+                if one is None:
+                    self.failed_refreshes += 1
+                else:
+                    out[i] = one
+        return out.reshape(factors.shape)
+
+    def _update_preconditioner(self, st: dict, plan: ParamPlan, tiles: dict, t: int, beta_s: float) -> None:
+        n1_tiles = plan.axes[1].n_tiles
+        m2 = plan.view2d(local(st["exp_avg"]))
+        v2 = plan.view2d(local(st["exp_avg_sq"]))
+        for rseg, cseg in plan.regions():
+            g4 = tiles[(rseg.pos, cseg.pos)]
+            lf, rf, ql, qr = self._slices(st, plan, rseg, cseg)
+            _accumulate(lf, rf, g4, beta_s)
+            # Which of this region's tiles refresh now.
+            gi = torch.tensor(plan.axes[0].local_tiles[rseg.pos:rseg.pos + rseg.count])
+            gj = torch.tensor(plan.axes[1].local_tiles[cseg.pos:cseg.pos + cseg.count])
+            k = (gi[:, None] * n1_tiles + gj[None, :]) if self.stagger else torch.zeros(len(gi), len(gj), dtype=torch.long)
+            ii, jj = torch.nonzero((t + k) % self.frequency == 0, as_tuple=True)
+            if ii.numel() == 0:
+                continue
+            self._refresh(m2, v2, rseg, cseg, ii, jj, lf, rf, ql, qr)
+
+    def _refresh(self, m2, v2, rseg, cseg, ii, jj, lf, rf, ql, qr) -> None:
+        """Sort + permute v̂, one power iteration + QR, rotate m̂ to the new basis (due tiles only)."""
+        dev = m2.device
+        ii, jj = ii.to(dev), jj.to(dev)
+        m4 = to_tiles(m2, rseg, cseg)
+        v4 = to_tiles(v2, rseg, cseg)
+        m_sel, v_sel = m4[ii, jj], v4[ii, jj]
+        ql_old = ql[ii, jj] if ql is not None else None
+        qr_old = qr[ii, jj] if qr is not None else None
+        m_orig = rotate_tiles(m_sel, ql_old, qr_old, transpose=True)
+        new = {}
+        for side, (factor, q_old) in enumerate(((lf, ql_old), (rf, qr_old))):
+            if factor is None:
+                continue
+            # Eigen-work in float64: in fp32 the directions of small eigenvalues are set by rounding noise,
+            # and Adam's per-coordinate normalisation turns that noise into full-size update differences.
+            p_sel = factor[ii, jj].to(torch.float64)
+            q64 = q_old.to(torch.float64)
+            est = torch.diagonal(q64.transpose(-1, -2) @ p_sel @ q64, dim1=-2, dim2=-1)
+            order = torch.argsort(est, dim=-1, descending=True)
+            q_sorted = torch.gather(q64, 2, order[:, None, :].expand_as(q64))
+            k, s0, s1 = v_sel.shape
+            if side == 0:
+                v_sel = torch.gather(v_sel, 1, order[:, :, None].expand(k, s0, s1))
+            else:
+                v_sel = torch.gather(v_sel, 2, order[:, None, :].expand(k, s0, s1))
+            q_new = torch.linalg.qr(p_sel @ q_sorted).Q
+            ok = torch.isfinite(p_sel).flatten(1).all(1) & torch.isfinite(q_new).flatten(1).all(1)
+            if not bool(ok.all()):
+                self.failed_refreshes += int((~ok).sum())
+                q_new = torch.where(ok[:, None, None], q_new, q_sorted)
+            new[side] = q_new.to(q_old.dtype)
+        if ql is not None:
+            ql[ii, jj] = new[0]
+        if qr is not None:
+            qr[ii, jj] = new[1]
+        m4[ii, jj] = rotate_tiles(m_orig, new.get(0), new.get(1), transpose=False)
+        v4[ii, jj] = v_sel
+        from_tiles(m2, m4, rseg, cseg)
+        from_tiles(v2, v4, rseg, cseg)
+
+
+def _accumulate(lf, rf, g4: torch.Tensor, beta_s: float) -> None:
+    """Factor EMA: L ← lerp(L, G Gᵀ, 1-β_s), R ← lerp(R, Gᵀ G, 1-β_s), in the factors' dtype."""
+    factor = lf if lf is not None else rf
+    g = g4.to(factor.dtype)
+    if lf is not None:
+        lf.lerp_(g @ g.transpose(-1, -2), 1.0 - beta_s)
+    if rf is not None:
+        rf.lerp_(g.transpose(-1, -2) @ g, 1.0 - beta_s)
+
+
+def _eigh_descending(mats: torch.Tensor) -> torch.Tensor | None:
+    """Eigenvectors of symmetric matrices (+1e-30·I, as the reference), columns in descending eigenvalue
+    order. eigh runs in float64 (see ``_refresh``), retried once with a relative 1e-12 diagonal shift;
+    None when both fail or give non-finite values (the caller keeps the old basis)."""
+    s = mats.shape[-1]
+    m64 = mats.to(torch.float64)
+    eye = torch.eye(s, dtype=torch.float64, device=mats.device)
+    scale = m64.diagonal(dim1=-2, dim2=-1).abs().amax(-1, keepdim=True)[..., None].clamp_min(1e-30)
+    for shift in (1e-30 * eye, 1e-12 * scale * eye):
+        try:
+            _, vecs = torch.linalg.eigh(m64 + shift)
+        except RuntimeError:
+            continue
+        if torch.isfinite(vecs).all():
+            return vecs.flip(-1).to(mats.dtype)
+    return None
+
+
+@contextlib.contextmanager
+def _precise_matmul(work: list):
+    """Full-precision fp32 matmuls (no TF32) for factors, eigen-estimates and rotations on CUDA."""
+    cuda = any(g.is_cuda for *_, g in work)
+    if not cuda:
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved

@@ -1,0 +1,30 @@
+"""Factories of the tile optimizers for the builder's registry: ``optimizer.name = orthoadam | soap``.
+
+Signature ``(param_groups, cfg, seed) -> Optimizer``; each group carries ``names`` (FQNs), which seed the
+OrthoAdam bases. The paper ablations are plain config: Adam with beta1 = 0 (``optimizer.beta1 = 0``, i.e.
+RMSProp in the rotated basis) and a larger eps (``optimizer.eps``).
+"""
+
+from __future__ import annotations
+
+from outlier_titan.config.job_config import Optimizer as OptimizerConfig
+from outlier_titan.optim.orthoadam import OrthoAdam
+from outlier_titan.optim.soap import SOAP
+from outlier_titan.optim.tile_engine import EngineOptions
+
+
+def engine_options(cfg: OptimizerConfig) -> EngineOptions:
+    return EngineOptions(tile_size=cfg.tile_size, tile_size_overrides=tuple(cfg.tile_size_overrides),
+                         tile_alignment=cfg.tile_alignment, vocab_axis=cfg.vocab_axis, one_d=cfg.one_d,
+                         max_precond_dim=cfg.max_precond_dim)
+
+
+def build_orthoadam(groups: list[dict], cfg: OptimizerConfig, seed: int) -> OrthoAdam:
+    return OrthoAdam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                     seed=seed, basis=cfg.basis, options=engine_options(cfg))
+
+
+def build_soap(groups: list[dict], cfg: OptimizerConfig, seed: int) -> SOAP:
+    return SOAP(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                precondition_frequency=cfg.precondition_frequency, shampoo_beta=cfg.shampoo_beta,
+                stagger=cfg.refresh_stagger, factor_dtype=cfg.soap_factor_dtype, options=engine_options(cfg))

@@ -1,0 +1,232 @@
+"""OrthoAdam on the tile engine: AdamW equivalence, real mixing, seeding, a dense Kronecker reference."""
+
+import pytest
+import torch
+
+from outlier_titan.errors import CheckpointError
+from outlier_titan.optim.bases import (REPRESENTATIONS, check_basis, haar_basis, hadamard_basis,
+                                       is_signed_permutation, tile_seed)
+from outlier_titan.optim.orthoadam import OrthoAdam
+from outlier_titan.optim.tile_engine import EngineOptions
+
+NAMES = ["layers.0.attention.wq.weight", "layers.0.feed_forward.w2.weight", "layers.0.attention_norm.weight",
+         "tok_embeddings.weight"]
+SHAPES = [(12, 8), (8, 20), (8,), (16, 8)]
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64)) for s in SHAPES]
+
+
+def _grads(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(*s, generator=g, dtype=torch.float64) for s in SHAPES] for _ in range(n)]
+
+
+def _groups(params):
+    # decay / no-decay, as build_param_groups makes them
+    return [{"params": [params[0], params[1]], "names": NAMES[:2], "weight_decay": 0.1},
+            {"params": [params[2], params[3]], "names": NAMES[2:], "weight_decay": 0.0}]
+
+
+def _run(opt, params, grads):
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_identity_bases_equal_torch_adamw():
+    ps, qs = _params(), _params()
+    opt = OrthoAdam(_groups(ps), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, basis="identity",
+                    options=EngineOptions(tile_size=4, one_d="rotate", vocab_axis="tile"))
+    ref = torch.optim.AdamW([{k: v for k, v in g.items() if k != "names"} for g in _groups(qs)], lr=1e-2,
+                            betas=(0.9, 0.95), eps=1e-8)
+    grads = _grads(25)
+    a, b = _run(opt, ps, grads), _run(ref, qs, grads)
+    for x, y in zip(a, b):
+        assert (x - y).abs().max().item() <= 1e-14
+    for p, q in zip(ps, qs):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert (opt.state[p][k] - ref.state[q][k]).abs().max().item() <= 1e-14
+
+
+@pytest.mark.parametrize("basis", ["haar", "hadamard"])
+def test_mixing_bases_differ_from_adamw(basis):
+    ps, qs = _params(), _params()
+    opt = OrthoAdam(_groups(ps), lr=1e-2, basis=basis, options=EngineOptions(tile_size=4))
+    ref = torch.optim.AdamW([{k: v for k, v in g.items() if k != "names"} for g in _groups(qs)], lr=1e-2,
+                            betas=(0.9, 0.999))
+    grads = _grads(10)
+    a, b = _run(opt, ps, grads), _run(ref, qs, grads)
+    # The rotated matrices move differently from AdamW (by a sizeable fraction of the total change)...
+    for x, y, p0 in zip(a[:2], b[:2], _params()[:2]):
+        assert (x - y).abs().max() > 0.1 * (y - p0).abs().max()
+    # ...while the 1-D gain (plain AdamW by default) moves exactly like AdamW.
+    assert (a[2] - b[2]).abs().max() <= 1e-14
+
+
+def test_signed_permutation_basis_is_rejected():
+    def signed_permutation(size, seed):
+        g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(size, generator=g)
+        signs = torch.randint(0, 2, (size,), generator=g).to(torch.float64) * 2 - 1
+        return torch.eye(size, dtype=torch.float64)[perm] * signs
+
+    with pytest.raises(ValueError, match="signed permutation"):
+        OrthoAdam(_groups(_params()), basis=signed_permutation, options=EngineOptions(tile_size=4))
+
+    def not_orthogonal(size, seed):
+        return torch.ones(size, size, dtype=torch.float64)
+
+    with pytest.raises(ValueError, match="not orthogonal"):
+        OrthoAdam(_groups(_params()), basis=not_orthogonal, options=EngineOptions(tile_size=4))
+
+
+@pytest.mark.parametrize("name", ["haar", "hadamard"])
+def test_builtin_bases_are_orthogonal_and_mix(name):
+    for size in (2, 8, 64):
+        b = REPRESENTATIONS[name](size, tile_seed(0, "x.weight", 0, 3))
+        check_basis(b, size, name)
+        assert not is_signed_permutation(b)
+        if size >= 8:
+            # every column spreads over the tile: no coordinate keeps most of its mass
+            assert b.abs().max() < 0.9
+    h = hadamard_basis(16, 7)
+    assert torch.allclose(h.abs(), torch.full((16, 16), 0.25, dtype=torch.float64))
+
+
+def test_seeds_depend_on_fqn_axis_tile_not_order():
+    assert tile_seed(0, "a.weight", 0, 1) == tile_seed(0, "a.weight", 0, 1)
+    seeds = {tile_seed(0, "a.weight", 0, 1), tile_seed(1, "a.weight", 0, 1), tile_seed(0, "b.weight", 0, 1),
+             tile_seed(0, "a.weight", 1, 1), tile_seed(0, "a.weight", 0, 2)}
+    assert len(seeds) == 5
+    # A pinned value: the hash scheme is part of the checkpoint contract.
+    assert tile_seed(0, "layers.0.attention.wq.weight", 1, 0) == 8825965834181084536
+    # Param order and grouping do not change the bases / updates.
+    ps, qs = _params(), _params()
+    one = OrthoAdam(_groups(ps), lr=1e-2, basis="haar", options=EngineOptions(tile_size=4))
+    rev = [{"params": list(reversed(qs)), "names": list(reversed(NAMES)), "weight_decay": 0.0}]
+    two = OrthoAdam(rev, lr=1e-2, basis="haar", options=EngineOptions(tile_size=4))
+    for pg in one.param_groups:
+        pg["weight_decay"] = 0.0
+    grads = _grads(3)
+    a = _run(one, ps, grads)
+    b = _run(two, qs, grads)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def _block_diag_basis(fn, seed, fqn, axis, size, tile):
+    mats = []
+    for k, start in enumerate(range(0, size, tile)):
+        edge = min(tile, size - start)
+        mats.append(fn(edge, tile_seed(seed, fqn, axis, k)))
+    return torch.block_diag(*mats)
+
+
+def test_haar_matches_dense_kronecker_reference_with_ragged_tiles():
+    """OrthoAdam = Adam on vec(G) in the dense basis Q = BD0 ⊗ BD1 (block-diagonal per-axis tile bases)."""
+    fqn, shape, tile, seed = "layers.0.attention.wq.weight", (11, 6), 4, 5
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.95, 1e-8, 0.1
+    w0 = torch.randn(*shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    p = torch.nn.Parameter(w0.clone())
+    opt = OrthoAdam([{"params": [p], "names": [fqn], "weight_decay": wd}], lr=lr, betas=(b1, b2), eps=eps,
+                    seed=seed, basis="haar", options=EngineOptions(tile_size=tile))
+    q = torch.kron(_block_diag_basis(haar_basis, seed, fqn, 0, shape[0], tile),
+                   _block_diag_basis(haar_basis, seed, fqn, 1, shape[1], tile))
+    assert torch.allclose(q.T @ q, torch.eye(q.shape[0], dtype=torch.float64), atol=1e-12)
+    w, m, v = w0.flatten().clone(), torch.zeros(w0.numel(), dtype=torch.float64), torch.zeros(w0.numel(), dtype=torch.float64)
+    g_gen = torch.Generator().manual_seed(3)
+    for t in range(1, 16):
+        g = torch.randn(*shape, generator=g_gen, dtype=torch.float64)
+        p.grad = g.clone()
+        opt.step()
+        gh = q.T @ g.flatten()
+        m = b1 * m + (1 - b1) * gh
+        v = b2 * v + (1 - b2) * gh * gh
+        s = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+        w = w * (1 - lr * wd) - lr * (q @ s)
+    torch.testing.assert_close(p.detach().flatten(), w, rtol=0, atol=1e-12)
+
+
+def test_vocab_axis_is_identity_by_default():
+    def rows_touched(vocab_axis):
+        p = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.float64))
+        w0 = p.detach().clone()
+        opt = OrthoAdam([{"params": [p], "names": ["tok_embeddings.weight"], "weight_decay": 0.0}], lr=1e-2,
+                        basis="haar", options=EngineOptions(tile_size=8, vocab_axis=vocab_axis))
+        g = torch.zeros_like(p)
+        g[3] = torch.randn(8, dtype=torch.float64)
+        p.grad = g
+        opt.step()
+        return (p.detach() != w0).any(1).nonzero().flatten().tolist(), opt
+
+    touched, opt = rows_touched("identity")
+    assert touched == [3]
+    assert not opt.plans[opt.param_groups[0]["params"][0]].axes[0].rotate
+    touched, _ = rows_touched("tile")
+    assert len(touched) == 8  # the tile of row 3 (rows 0-7) mixes
+
+
+def test_max_precond_dim_leaves_long_axes_unrotated():
+    p = torch.nn.Parameter(torch.randn(40, 8, dtype=torch.float64))
+    opt = OrthoAdam([{"params": [p], "names": ["layers.0.feed_forward.w1.weight"], "weight_decay": 0.0}],
+                    basis="haar", options=EngineOptions(tile_size=8, max_precond_dim=32))
+    a0, a1 = opt.plans[p].axes
+    assert (a0.rotate, a1.rotate) == (False, True)
+
+
+def test_hadamard_needs_power_of_two_tiles():
+    p = torch.nn.Parameter(torch.randn(12, 8, dtype=torch.float64))
+    with pytest.raises(Exception, match="power-of-two"):
+        OrthoAdam([{"params": [p], "names": ["layers.0.attention.wq.weight"], "weight_decay": 0.0}],
+                  basis="hadamard", options=EngineOptions(tile_size=12))
+    opt = OrthoAdam([{"params": [p], "names": ["layers.0.attention.wq.weight"], "weight_decay": 0.0}],
+                    basis="hadamard", options=EngineOptions(tile_size=12, tile_alignment="adapt"))
+    assert [ax.tile for ax in opt.plans[p].axes] == [8, 8]  # 12 = 8 + ragged 4
+
+
+def test_tile_size_overrides():
+    p = torch.nn.Parameter(torch.randn(16, 16, dtype=torch.float64))
+    opts = EngineOptions(tile_size=8, tile_size_overrides=("layers.*.wq.weight:1=16", "nothing.*=2"))
+    opt = OrthoAdam([{"params": [p], "names": ["layers.3.attention.wq.weight"], "weight_decay": 0.0}],
+                    basis="haar", options=opts)
+    assert [ax.tile for ax in opt.plans[p].axes] == [8, 16]
+    with pytest.raises(Exception, match="PATTERN"):
+        EngineOptions(tile_size_overrides=("bad",))
+
+
+def test_nonfinite_gradient_skips_and_counts():
+    ps = _params()
+    opt = OrthoAdam(_groups(ps), lr=1e-2, basis="haar", options=EngineOptions(tile_size=4))
+    _run(opt, ps, _grads(2))
+    before = [p.detach().clone() for p in ps]
+    state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in ps}
+    gs = _grads(1, seed=9)[0]
+    gs[1][0, 0] = float("inf")
+    _run(opt, ps, [gs])
+    assert opt.skipped_steps == 1
+    for p, b in zip(ps, before):
+        assert torch.equal(p.detach(), b)
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, state[id(p)][k])
+    _run(opt, ps, _grads(1, seed=10))
+    assert opt.skipped_steps == 1 and float(opt.state[ps[0]]["step"]) == 3
+
+
+def test_basis_spec_is_saved_and_verified():
+    ps = _params()
+    opt = OrthoAdam(_groups(ps), lr=1e-2, seed=1, basis="haar", options=EngineOptions(tile_size=4))
+    _run(opt, ps, _grads(2))
+    sd = opt.state_dict()
+    assert "checksum=" in sd["param_groups"][0]["basis_spec"]
+    assert "exp_avg" in sd["state"][0] and not any("bas" in k for k in sd["state"][0])
+    same = OrthoAdam(_groups(_params()), lr=1e-2, seed=1, basis="haar", options=EngineOptions(tile_size=4))
+    same.load_state_dict(sd)
+    for wrong in (dict(seed=2, basis="haar"), dict(seed=1, basis="hadamard")):
+        other = OrthoAdam(_groups(_params()), lr=1e-2, options=EngineOptions(tile_size=4), **wrong)
+        with pytest.raises(CheckpointError, match="basis_spec"):
+            other.load_state_dict(sd)
