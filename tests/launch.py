@@ -43,6 +43,7 @@ def train(tmp_path: Path, *overrides: str, nproc: int = 1, name: str = "run", co
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(REPO / "train.py"), *args]
+    tmp_path.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
     run_dir = tmp_path / name
