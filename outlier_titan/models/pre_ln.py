@@ -5,6 +5,32 @@ and anGPT's GPT+ (QK-norm).
     x = embed(tokens) [+ pos]
     for each block:  x = x + attn(norm1(x));  x = x + mlp(norm2(x))
     logits = head(norm_f(x))
+
+Options (``model.*``): ``norm`` (layernorm | rmsnorm | rmsnorm_single = seed 000's RMSNormSingle, one scalar
+gain | rmsnorm_nogain), ``softmax`` (softmax | softmax1, exact), ``pos_encoding`` (learned | rope | none),
+``rope_fraction`` (share of each head's dims that RoPE rotates; GPT+ uses 0.5), ``bias``, ``qk_norm``,
+``mlp``, ``tie_embeddings``.
+
+Seed 000 flavors (``seed000_*``; the paper gives sizes only, no shapes): RMSNormSingle at every norm site
+(pre-attention, pre-MLP, final), no biases in any linear layer, learned absolute positions, GELU, tied
+embeddings for the GPT-2 family; parameter counts at the GPT-2 BPE vocabulary (50,304 padded) and 1024
+positions:
+
+    seed000_gpt2_60m     d=512,  L=11, H=8,  ffn 2048   60.9M  (closest GPT-2-shaped model to "~60M")
+    seed000_gpt2_130m    d=768,  L=12, H=12, ffn 3072  124.4M  (GPT-2 small shape; Table 1 lists it as 137M)
+    seed000_gpt2_350m    d=1024, L=24, H=16, ffn 4096  354.5M  (GPT-2 medium shape, as Table 1 suggests)
+    seed000_gpt2_1.4b    d=1536, L=48, H=24, ffn 6144  1.44B   (GPT-2 XL depth at head dim 64; the XL shape
+                                                               itself is 1.56B, which Table 1 calls 1.6B)
+    seed000_llama2_130m  d=768,  L=12, H=12, SwiGLU 2048, RoPE, untied, RMSNormSingle eps 1e-6: the GaLore
+                         ``llama_130m`` shape whose warm-up schedule the paper copies; 134M at Llama-2's
+                         32,000 vocabulary, 162M at 50,304.
+
+GPT+ flavors (``gptplus_*``, seed 001's baseline, Table F.1 shapes): SwiGLU with 4*d hidden units per branch,
+RoPE on half of each head (``rope_fraction`` 0.5), RMSNorm, per-head QK-RMSNorm with a learned gain of
+size d_h, no bias, untied head. The paper's L2 QK-norm with a learned temperature g is realised as
+QK-RMSNorm with scale 1/sqrt(d_h): the logits are sqrt(d_h) * g_q g_k * cos(q, k), so the effective
+temperature starts at sqrt(d_h) and is learned through the gains (the 2*d_h*L gain parameters are what the
+paper's GPT+ counts imply). Counts match Table F.1 (e.g. 0.5B: 505.73M).
 """
 
 from __future__ import annotations
@@ -38,6 +64,7 @@ class PreLNArgs:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_fraction: float = 1.0
     init_std: float = 0.02
 
     def __post_init__(self):
@@ -51,8 +78,40 @@ class PreLNArgs:
             raise ConfigError(f"model: dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"model: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if self.pos_encoding == "rope" and (self.dim // self.n_heads) % 2:
-            raise ConfigError("model.pos_encoding = 'rope' needs an even head dimension")
+        if self.pos_encoding == "rope":
+            rope_dims(self.dim // self.n_heads, self.rope_fraction)
+
+
+def rope_dims(head_dim: int, fraction: float) -> int:
+    """Number of rotated dims per head: ``fraction * head_dim``, which must be a positive even integer."""
+    n = fraction * head_dim
+    if not 0 < fraction <= 1 or n != int(n) or int(n) % 2:
+        raise ConfigError(f"model.rope_fraction = {fraction} of head dim {head_dim} must give a positive even "
+                          f"number of rotated dims")
+    return int(n)
+
+
+class PartialRotaryEmbedding(RotaryEmbedding):
+    """RoPE on the first ``rot_dims`` dims of each head (GPT-NeoX style partial rotary: frequencies
+    theta^(-2i/rot_dims)); the other dims pass through. ``rot_dims == head_dim`` is plain RoPE."""
+
+    def __init__(self, head_dim: int, rot_dims: int, max_seq_len: int, theta: float = 10000.0):
+        super().__init__(rot_dims, max_seq_len, theta)
+        self.full_head_dim = head_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.head_dim == x.shape[-1]:
+            return super().forward(x)
+        rot, rest = x[..., :self.head_dim], x[..., self.head_dim:]
+        return torch.cat([super().forward(rot), rest], dim=-1)
+
+
+def build_rope(head_dim: int, max_seq_len: int, theta: float, fraction: float) -> RotaryEmbedding:
+    """Full RoPE (fraction 1) or partial RoPE on the first ``fraction * head_dim`` dims."""
+    rot = rope_dims(head_dim, fraction)
+    if rot == head_dim:
+        return RotaryEmbedding(head_dim, max_seq_len, theta)
+    return PartialRotaryEmbedding(head_dim, rot, max_seq_len, theta)
 
 
 class Block(nn.Module):
@@ -76,7 +135,7 @@ class PreLNTransformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim) if args.pos_encoding == "learned" else None
         # One rotary table shared by all blocks (a non-persistent buffer, not a parameter).
-        self.rope = (RotaryEmbedding(args.dim // args.n_heads, args.max_seq_len, args.rope_theta)
+        self.rope = (build_rope(args.dim // args.n_heads, args.max_seq_len, args.rope_theta, args.rope_fraction)
                      if args.pos_encoding == "rope" else None)
         self.layers = nn.ModuleDict({str(i): Block(args, self.rope) for i in range(args.n_layers)})
         self.norm = build_norm(args.norm, args.dim, args.norm_eps, args.bias)
@@ -114,6 +173,13 @@ GPT2 = dict(norm="layernorm", pos_encoding="learned", bias=True, mlp="gelu", tie
 LLAMA = dict(norm="rmsnorm", pos_encoding="rope", bias=False, mlp="swiglu", tie_embeddings=False,
              norm_eps=1e-5, rope_theta=500000.0)
 
+# Seed 000 (softmax-1 / OrthoAdam): RMSNormSingle everywhere and no biases; softmax is the per-run switch.
+SEED000_GPT2 = dict(GPT2, norm="rmsnorm_single", bias=False, norm_eps=1e-5)
+SEED000_LLAMA2 = dict(LLAMA, norm="rmsnorm_single", bias=False, norm_eps=1e-6, rope_theta=10000.0)
+# Seed 001's GPT+ baseline (Table F.1 / F.2).
+GPTPLUS = dict(norm="rmsnorm", pos_encoding="rope", rope_fraction=0.5, bias=False, mlp="swiglu",
+               tie_embeddings=False, qk_norm=True, norm_eps=1e-6, rope_theta=10000.0, vocab_size=50304)
+
 FLAVORS = {
     "debug": dict(GPT2, dim=128, n_layers=4, n_heads=4),
     "debug_llama": dict(LLAMA, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, rope_theta=10000.0),
@@ -124,6 +190,19 @@ FLAVORS = {
     "gpt2_1.4b": dict(GPT2, dim=1600, n_layers=48, n_heads=25),
     # Llama 3.2 1B shape
     "llama_1b": dict(LLAMA, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192),
+    # Seed 000 (dims chosen here, see the module docstring)
+    "seed000_gpt2_60m": dict(SEED000_GPT2, dim=512, n_layers=11, n_heads=8),
+    "seed000_gpt2_130m": dict(SEED000_GPT2, dim=768, n_layers=12, n_heads=12),
+    "seed000_gpt2_350m": dict(SEED000_GPT2, dim=1024, n_layers=24, n_heads=16),
+    "seed000_gpt2_1.4b": dict(SEED000_GPT2, dim=1536, n_layers=48, n_heads=24),
+    "seed000_llama2_130m": dict(SEED000_LLAMA2, dim=768, n_layers=12, n_heads=12, ffn_hidden=2048),
+    # Seed 001 GPT+ (Table F.1: d_h = 64, SwiGLU 4*d per branch, vocab 50,304)
+    "gptplus_32m": dict(GPTPLUS, dim=256, n_layers=6, n_heads=4, ffn_hidden=1024),
+    "gptplus_62m": dict(GPTPLUS, dim=384, n_layers=10, n_heads=6, ffn_hidden=1536),
+    "gptplus_125m": dict(GPTPLUS, dim=512, n_layers=18, n_heads=8, ffn_hidden=2048),
+    "gptplus_250m": dict(GPTPLUS, dim=768, n_layers=18, n_heads=12, ffn_hidden=3072),
+    "gptplus_0.5b": dict(GPTPLUS, dim=1024, n_layers=24, n_heads=16, ffn_hidden=4096),
+    "gptplus_1b": dict(GPTPLUS, dim=1280, n_layers=36, n_heads=20, ffn_hidden=5120),
 }
 
 
@@ -138,5 +217,5 @@ register_spec(ModelSpec(
     flavors=FLAVORS,
     build=PreLNTransformer,
     tp_plan=_tp_plan,
-    description="Pre-LN GPT-2 / Llama with softmax-1, single-scale RMSNorm and QK-norm options",
+    description="Pre-LN GPT-2 / Llama with softmax-1, single-scale RMSNorm and QK-norm (GPT+) options",
 ))

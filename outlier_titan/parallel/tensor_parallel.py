@@ -10,13 +10,21 @@ Residual stream between blocks: local tensors sharded on the sequence dim (Shard
   output (untied)                               ColwiseParallel, logits gathered to Replicate
 With learned positions the embedding output is kept Replicate (positions are added to the full sequence) and
 block 0 takes its sequence shard locally (no communication).
+
+Pieces for specs with extra parameters beside the linears (op, angpt, ngpt):
+  ReplicatedParamsOnShards(dim)  gains / LERP steps / residual scales applied to sequence-sharded (dim 1) or
+                                 head-sharded activations: params Replicate, inputs viewed as Shard(dim),
+                                 outputs local; their gradients are all-reduced by DTensor
+  ShardedParams                  per-head / per-hidden-unit vectors: params Shard(0) with the heads, used
+                                 locally (``local(p)``); no communication
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -24,6 +32,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from outlier_titan.config.manager import ConfigError
 
@@ -97,3 +106,54 @@ def apply_standard_tp(model: nn.Module, tp_mesh: DeviceMesh, args, *, block_norm
                                                                   use_local_output=True))
     if getattr(model, "output", None) is None or not has_final_norm:
         model.register_forward_hook(_gather_output)
+
+
+class ReplicatedParamsOnShards(ParallelStyle):
+    """For a small module whose parameters (gains, LERP steps, residual scales) act on TP-local activations
+    that are sharded on ``shard_dim`` (the sequence dim of the residual stream, or the head dim of q/k):
+    its parameters become Replicate DTensors, every tensor input is viewed as a DTensor ``Shard(shard_dim)``
+    (no communication), and outputs are turned back into local tensors. Parameter gradients come out
+    ``Partial`` and are all-reduced by DTensor, as for SequenceParallel norms; unlike SequenceParallel,
+    every positional tensor input is wrapped (modules with two inputs, e.g. a LERP)."""
+
+    def __init__(self, shard_dim: int = 1):
+        super().__init__()
+        self.shard_dim = shard_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        placements = (Shard(self.shard_dim),)
+
+        def partition(name, mod, mesh):
+            for p_name, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(p_name, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False),
+                                                            requires_grad=p.requires_grad))
+
+        def wrap_inputs(mod, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, placements, run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+        def unwrap_outputs(mod, outputs, mesh):
+            if isinstance(outputs, tuple):
+                return tuple(o.to_local() if isinstance(o, DTensor) else o for o in outputs)
+            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+        return distribute_module(module, device_mesh, partition, wrap_inputs, unwrap_outputs)
+
+
+class ShardedParams(ParallelStyle):
+    """For per-head or per-hidden-unit vectors that a module applies to TP-local activations (local heads,
+    local hidden units): the parameters become ``Shard(0)`` DTensors on the TP mesh (dim 0 must be laid out
+    head-major / unit-major like the column-parallel weight it follows), and the module uses
+    ``p.to_local()``. The activations are full-sequence there, so each rank's shard gets its complete
+    gradient; no communication."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(p_name, nn.Parameter(distribute_tensor(p, device_mesh, [Shard(0)]),
+                                                           requires_grad=p.requires_grad))
+        return module
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (differentiable), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
