@@ -91,8 +91,10 @@ def test_dry_run_7b_on_4x8_is_fast_and_counts_exactly():
     assert elapsed < 60
     expected = llama_closed_form(4096, 32, 32, 32, 11008, 4096)
     assert f"parameters        {expected:,}" in proc.stdout, proc.stdout
-    # rank 0 holds 1/32 of every matrix (all dims divide evenly) plus its shard of the gains
-    assert f"per-rank params   {expected // 32:,}" in proc.stdout, proc.stdout
+    # rank 0 holds 1/32 of every matrix (all dims divide evenly); the RMSNorm gains are replicated over TP
+    # (sequence parallel) and sharded over FSDP only: 1/4 of them
+    gains = (2 * 32 + 1) * 4096
+    assert f"per-rank params   {(expected - gains) // 32 + gains // 4:,}" in proc.stdout, proc.stdout
     for row in ("parameters (fp32)", "gradients (fp32)", "optimizer state (adamw)", "activations (estimate",
                 "total"):
         assert row in proc.stdout

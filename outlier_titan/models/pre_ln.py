@@ -190,6 +190,10 @@ FLAVORS = {
     "gpt2_1.4b": dict(GPT2, dim=1600, n_layers=48, n_heads=25),
     # Llama 3.2 1B shape
     "llama_1b": dict(LLAMA, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192),
+    # Llama 3.2 3B shape
+    "llama_3b": dict(LLAMA, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_hidden=8192),
+    # Llama 2 7B shape (multi-head attention, SwiGLU 11008)
+    "llama_7b": dict(LLAMA, dim=4096, n_layers=32, n_heads=32, ffn_hidden=11008),
     # Seed 000 (dims chosen here, see the module docstring)
     "seed000_gpt2_60m": dict(SEED000_GPT2, dim=512, n_layers=11, n_heads=8),
     "seed000_gpt2_130m": dict(SEED000_GPT2, dim=768, n_layers=12, n_heads=12),
