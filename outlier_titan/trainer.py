@@ -20,7 +20,7 @@ from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, to_toml
 from outlier_titan.data import build_dataloader, build_tokenizer
 from outlier_titan.models.init import Initializer
-from outlier_titan.models.registry import count_params, flops_per_token, model_args
+from outlier_titan.models.registry import build_meta_model, count_params, flops_per_token
 from outlier_titan.observe.logger import MetricsLogger, Throughput, peak_memory_gib
 from outlier_titan.optim.builder import build_optimizer
 from outlier_titan.optim.lr_schedule import build_lr_scheduler
@@ -59,14 +59,6 @@ def batch_layout(cfg: JobConfig, dp: int) -> tuple[int, int, int]:
     return local, micro, local // micro
 
 
-def build_model(cfg: JobConfig, vocab_size: int):
-    """The spec, its args and the model on the meta device."""
-    spec, args = model_args(cfg.model, vocab_size, cfg.training.seq_len)
-    with torch.device("meta"):
-        model = spec.build(args)
-    return spec, args, model
-
-
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -86,7 +78,7 @@ class Trainer:
         torch.manual_seed(cfg.training.seed)
 
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        self.spec, self.args, self.model = build_model(cfg, self.tokenizer.vocab_size)
+        self.spec, self.args, self.model = build_meta_model(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
         self.n_params = count_params(self.model)
         self.flops_per_token = flops_per_token(self.model, self.model_layers(), self.model_dim(),
                                                cfg.training.seq_len)

@@ -51,17 +51,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _loader_fn():
-    try:
-        from outlier_titan.checkpoint import load_model_for_eval
-        return load_model_for_eval
-    except ImportError:
-        pass
-    try:
-        from outlier_titan.checkpoint.manager import load_model_for_eval
-        return load_model_for_eval
-    except ImportError:
-        raise UserError("this checkout has no outlier_titan.checkpoint.load_model_for_eval; "
-                        "update the repository") from None
+    from outlier_titan.checkpoint import load_model_for_eval
+
+    return load_model_for_eval
 
 
 def main(argv: list[str] | None = None) -> int:

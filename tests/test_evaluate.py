@@ -116,13 +116,14 @@ def test_evaluate_script_user_errors(tmp_path, capsys):
     assert "unknown int3" in capsys.readouterr().err
 
 
-def test_evaluate_script_writes_report(tmp_path, monkeypatch, capsys):
-    """scripts/evaluate.py from a run folder to JSON + markdown + pictures, with the model loader stubbed
-    (random weights) and a small local text corpus as the run's data."""
+@pytest.mark.dist
+def test_evaluate_script_on_a_real_fsdp_checkpoint(tmp_path, capsys):
+    """train.py on 2 FSDP ranks writes a DCP checkpoint; scripts/evaluate.py loads it at world size 1 from the
+    run folder and writes JSON + markdown + pictures."""
     import json
 
-    from outlier_titan.config.manager import parse_args
-    from outlier_titan.data import build_tokenizer
+    from outlier_titan.checkpoint import load_model_for_eval
+    from tests.launch import TINY, train
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -131,38 +132,25 @@ def test_evaluate_script_writes_report(tmp_path, monkeypatch, capsys):
     for i in range(6):
         idx = torch.randint(0, len(words), (3000,), generator=g).tolist()
         (corpus / f"doc{i}.txt").write_text(" ".join(words[j] for j in idx))
-    run = tmp_path / "run"
-    ckpt = run / "checkpoints" / "step-3"
-    ckpt.mkdir(parents=True)
-    (ckpt / ".metadata").write_text("")
-    (run / "config.toml").write_text(
-        f'[model]\nname = "pre_ln"\nflavor = "debug"\n[training]\nseq_len = 32\n'
-        f'[data]\nsource = "{corpus}"\nval_fraction = 0.5\ncache_dir = "{tmp_path / "cache"}"\n'
-        f'[observe]\nbatch_size = 2\n')
-    seen = {}
-
-    def stub_loader(checkpoint_dir, device):
-        seen["checkpoint"] = checkpoint_dir
-        cfg = parse_args(["--config", str(Path(checkpoint_dir).parent.parent / "config.toml")])
-        tok = build_tokenizer(cfg.data.tokenizer)
-        spec, args = model_args(cfg.model, tok.vocab_size, cfg.training.seq_len)
-        model = spec.build(args)
-        model.init_weights(Initializer(0, "cpu"))
-        return model.to(device), cfg, tok
+    run = train(tmp_path, *TINY, "--training.steps", "3", "--checkpoint.enable", "true", "--data.source",
+                str(corpus), "--data.val_fraction", "0.5", "--data.cache_dir", str(tmp_path / "cache"),
+                "--observe.batch_size", "2", "--training.seq_len", "32", nproc=2).check()
+    ckpt = run.run_dir / "checkpoints" / "step-3"
+    model, cfg, tok = load_model_for_eval(ckpt)
+    assert cfg.training.seq_len == 32 and not any(p.is_meta for p in model.parameters())
 
     ev = load_script("evaluate")
-    monkeypatch.setattr(ev, "_loader_fn", lambda: stub_loader)
-    rc = ev.main(["--checkpoint", str(run), "--tokens", "200", "--batch-size", "4", "--calib-batches", "2",
+    rc = ev.main(["--checkpoint", str(run.run_dir), "--tokens", "200", "--batch-size", "4", "--calib-batches", "2",
                   "--calib-seeds", "2", "--schemes", "int8_fine,int4_zeropoint,w8a8_static", "--device", "cpu"])
     out = capsys.readouterr()
     assert rc == 0, out.err
-    assert seen["checkpoint"] == ckpt
-    report = json.loads((run / "eval" / "step-3.json").read_text())
+    report = json.loads((run.run_dir / "eval" / "step-3.json").read_text())
     assert report["step"] == 3 and report["tokens"] == 224 and report["seq_len"] == 32  # 7 rows of 32
     assert [e["scheme"] for e in report["schemes"]] == ["int8_fine", "int4_zeropoint", "w8a8_static"]
     assert len(report["schemes"][2]["ppl_runs"]) == 2
-    table = (run / "eval" / "step-3.md").read_text()
+    assert 1 < report["full_precision"]["ppl"] < tok.vocab_size
+    table = (run.run_dir / "eval" / "step-3.md").read_text()
     assert table in out.out and "| int4_zeropoint |" in table
-    assert (run / "eval" / "step-3.attention_map.png").is_file()
-    assert (run / "eval" / "step-3.hidden_magnitude.png").is_file()
+    assert (run.run_dir / "eval" / "step-3.attention_map.png").is_file()
+    assert (run.run_dir / "eval" / "step-3.hidden_magnitude.png").is_file()
     assert "full precision [" in out.err

@@ -157,3 +157,37 @@ def check_compatible(path: Path, current_toml: str) -> None:
                 raise CheckpointError(
                     f"checkpoint {path} was trained with {section}.{key} = {a.get(key)!r}, this run has "
                     f"{b.get(key)!r}; use the same setting or start a new run (job.name) / checkpoint.load_step = 0")
+
+
+def load_model_for_eval(checkpoint: str | Path, device: str | torch.device = "cpu"):
+    """Builds the checkpoint's model at world size 1 and loads its weights (saved at any world size / layout).
+
+    ``checkpoint`` is a ``step-<N>`` folder, a run folder or its ``checkpoints`` folder (then the newest step).
+    Returns ``(model, cfg, tokenizer)``; the config is the one saved with the checkpoint.
+    """
+    from outlier_titan.config.manager import parse_args
+    from outlier_titan.data import build_tokenizer
+    from outlier_titan.models.registry import build_meta_model
+
+    path = resolve_checkpoint_dir(checkpoint)
+    config_file = path / "config.toml"
+    if not config_file.is_file():
+        config_file = path.parent.parent / "config.toml"
+    if not config_file.is_file():
+        raise CheckpointError(f"no config.toml in {path} or its run folder; cannot tell which model it holds")
+    cfg = parse_args(["--config", str(config_file)])
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    spec, args, model = build_meta_model(cfg.model, tokenizer.vocab_size, cfg.training.seq_len)
+    from outlier_titan.models.init import Initializer
+
+    model.to_empty(device=device)
+    model.init_weights(Initializer(cfg.training.seed, device))  # fills non-persistent buffers (RoPE tables)
+    state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load the model from {path}: {first[:300]}") from None
+    model.load_state_dict(state["model"])
+    model.eval()
+    return model, cfg, tokenizer

@@ -87,6 +87,16 @@ def model_args(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[M
     return spec, args
 
 
+def build_meta_model(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[ModelSpec, Any, nn.Module]:
+    """The spec, its args and the model built on the meta device (nothing allocated)."""
+    import torch
+
+    spec, args = model_args(model_cfg, vocab_size, seq_len)
+    with torch.device("meta"):
+        model = spec.build(args)
+    return spec, args, model
+
+
 def _model_keys() -> set[str]:
     return {f.name for f in dataclasses.fields(ModelConfig)} - {"name", "flavor"}
 
