@@ -242,10 +242,7 @@ class OutlierProbe:
         names = tuple(mesh.mesh_dim_names or ())
         if not names:  # an unnamed 1-D mesh: all data parallel
             return ([mesh.get_group()] if mesh.size() > 1 else []), None, 0
-        try:
-            dp_meshes = [mesh["dp"]]
-        except (KeyError, RuntimeError, ValueError):
-            dp_meshes = [mesh[n] for n in names if n != "tp"]
+        dp_meshes = [mesh[n] for n in names if n not in ("tp", "dp")]
         dp_groups = [m.get_group() for m in dp_meshes if m.size() > 1]
         tp_group, tp_rank = None, 0
         if "tp" in names and mesh["tp"].size() > 1:
