@@ -9,11 +9,14 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from outlier_titan.checkpoint.manager import Checkpointer, ModelState, OptimizerState
 from outlier_titan.config.job_config import JobConfig
@@ -43,6 +46,19 @@ class TrainState:
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
         torch.set_rng_state(state["rng"])
+
+
+def loss_context(logits: torch.Tensor):
+    """``loss_parallel`` when the logits are vocab-sharded over TP (the cross entropy then reduces across the
+    TP ranks instead of gathering [B, T, V]); a no-op otherwise."""
+    if isinstance(logits, DTensor):
+        return loss_parallel()
+    return nullcontext()
+
+
+def replicated_value(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor of a scalar that may be a (replicated) DTensor from the parallel loss."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def batch_layout(cfg: JobConfig, dp: int) -> tuple[int, int, int]:
@@ -132,9 +148,11 @@ class Trainer:
         for _ in range(self.accum_steps):
             inputs, labels = next(self.train_iter)
             inputs, labels = inputs.to(self.device), labels.to(self.device)
-            loss = self.loss_fn(self.model(inputs), labels)
-            loss.backward()
-            loss_sum += loss.detach()
+            logits = self.model(inputs)
+            with loss_context(logits):
+                loss = self.loss_fn(logits, labels)
+                loss.backward()
+            loss_sum += replicated_value(loss.detach())
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = grad_norm(params)
         finite = bool(torch.isfinite(norm))
@@ -166,7 +184,9 @@ class Trainer:
         it = iter(loader)
         for _ in range(cfg.eval.steps * self.accum_steps):
             inputs, labels = next(it)
-            total += self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))
+            logits = self.model(inputs.to(self.device))
+            with loss_context(logits):
+                total += replicated_value(self.loss_fn(logits, labels.to(self.device)))
         self.model.train()
         return self.global_loss(total) / cfg.eval.steps
 

@@ -212,7 +212,7 @@ FLAVORS = {
 
 def _tp_plan(model, tp_mesh, args):
     from outlier_titan.parallel.tensor_parallel import apply_standard_tp
-    apply_standard_tp(model, tp_mesh, args)
+    apply_standard_tp(model, tp_mesh, args, loss_parallel=True)
 
 
 register_spec(ModelSpec(

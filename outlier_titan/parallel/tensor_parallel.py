@@ -7,7 +7,7 @@ Residual stream between blocks: local tensors sharded on the sequence dim (Shard
   wo, w2                                        RowwiseParallel   (weight Shard(1)), reduce-scatter -> Shard(1)
   q_norm, k_norm (per head)                     Replicate params over the local-head dim (Shard(1) of q/k)
   tok_embeddings                                vocab-parallel (RowwiseParallel, weight Shard(0))
-  output (untied)                               ColwiseParallel, logits gathered to Replicate
+  output (untied)                               ColwiseParallel: vocab-sharded logits (loss parallel) or gathered
 With learned positions the embedding output is kept Replicate (positions are added to the full sequence) and
 block 0 takes its sequence shard locally (no communication).
 
@@ -81,8 +81,14 @@ def _has_params_or_module(block: nn.Module, name: str) -> bool:
     return m is not None and not isinstance(m, nn.Identity)
 
 
-def apply_standard_tp(model: nn.Module, tp_mesh: DeviceMesh, args, *, block_norms: bool = True) -> None:
-    """TP + sequence parallel for a model with tok_embeddings / layers / norm / output."""
+def apply_standard_tp(model: nn.Module, tp_mesh: DeviceMesh, args, *, block_norms: bool = True,
+                      loss_parallel: bool = False) -> None:
+    """TP + sequence parallel for a model with tok_embeddings / layers / norm / output.
+
+    ``loss_parallel``: the head's logits stay vocab-sharded (a DTensor Shard(-1)); the trainer then computes the
+    cross entropy under ``torch.distributed.tensor.parallel.loss_parallel`` without gathering [B, T, V].
+    Only for models whose forward returns ``output(...)`` unchanged.
+    """
     tp = tp_mesh.size()
     check_divisible(tp, n_heads=args.n_heads, n_kv_heads=getattr(args, "n_kv_heads", args.n_heads),
                     vocab_size=args.vocab_size)
@@ -94,7 +100,8 @@ def apply_standard_tp(model: nn.Module, tp_mesh: DeviceMesh, args, *, block_norm
     if has_final_norm:
         root["norm"] = SequenceParallel()
     if getattr(model, "output", None) is not None:
-        root["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        root["output"] = (ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+                          if loss_parallel else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
     parallelize_module(model, tp_mesh, root)
     for i, block in enumerate(model.layers.values()):
         plan = tp_block_plan(block, norms=block_norms)
