@@ -149,7 +149,7 @@ def run_sharded(kind, layout, steps, opts=OPTS):
 
 
 @pytest.mark.parametrize("kind", ["orthoadam", "soap"])
-@pytest.mark.parametrize("layout", ["fsdp2", "fsdp2xtp2", "hsdp", "fsdp4"])
+@pytest.mark.parametrize("layout", ["fsdp2xtp2", "hsdp", "fsdp4"])  # plain FSDP 2: test_optim_dist.py
 def test_sharded_equals_single_process(kind, layout):
     steps = 5
     ref_p, ref_s = run_single(kind, steps)
@@ -174,7 +174,6 @@ def test_strict_misalignment_names_parameter_placements_and_a_tile_that_works():
         opt = OrthoAdam(groups, basis="haar", options=EngineOptions(tile_size=8, tile_alignment="adapt"))
         spec = opt.state[p]["tile_spec"].tolist()
         assert spec[2:4] == [4, 8] and spec[6:8] == [1, 0]  # tiles (4, 8), axis 0 adapted
-        assert "adapted" in str(err.value) or True
 
 
 def test_strided_shards_non_contiguous_in_global_index_space():

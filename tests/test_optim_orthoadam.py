@@ -138,7 +138,8 @@ def test_haar_matches_dense_kronecker_reference_with_ragged_tiles():
     q = torch.kron(_block_diag_basis(haar_basis, seed, fqn, 0, shape[0], tile),
                    _block_diag_basis(haar_basis, seed, fqn, 1, shape[1], tile))
     assert torch.allclose(q.T @ q, torch.eye(q.shape[0], dtype=torch.float64), atol=1e-12)
-    w, m, v = w0.flatten().clone(), torch.zeros(w0.numel(), dtype=torch.float64), torch.zeros(w0.numel(), dtype=torch.float64)
+    w = w0.flatten().clone()
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
     g_gen = torch.Generator().manual_seed(3)
     for t in range(1, 16):
         g = torch.randn(*shape, generator=g_gen, dtype=torch.float64)

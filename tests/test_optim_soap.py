@@ -71,9 +71,15 @@ def _soap(params, names, tile, stagger=True):
 
 def _grads(shape, n, seed):
     g = torch.Generator().manual_seed(seed)
-    # A fixed anisotropic scale per row/column so the factors have distinct eigenvalues.
-    scale = torch.rand(shape[0], 1, generator=g, dtype=torch.float64) + 0.2
-    return [scale * torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(n)]
+    # An anisotropic scale per row and column, so the factors have distinct eigenvalues; it is redrawn every
+    # 7 steps, so the eigen-directions change their order and the refresh's sort really permutes v.
+    out = []
+    for k in range(n):
+        if k % 7 == 0:
+            rows = torch.rand(shape[0], 1, generator=g, dtype=torch.float64) * 3 + 0.1
+            cols = torch.rand(1, shape[1], generator=g, dtype=torch.float64) * 3 + 0.1
+        out.append(rows * cols * torch.randn(*shape, generator=g, dtype=torch.float64))
+    return out
 
 
 def test_single_tile_matches_dense_reference_over_30_steps():
@@ -172,3 +178,22 @@ def test_spec_mismatch_on_load_raises():
     other4 = _soap([q], ["layers.0.attention.wo.weight"], tile=4)
     with pytest.raises(CheckpointError, match="tile spec"):
         other4.load_state_dict(sd)
+
+
+def test_float64_factors_survive_a_state_dict_round_trip():
+    """fp32 parameters, fp64 factors: loading must not round the factors through the parameter dtype."""
+    import copy
+
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = SOAP([{"params": [p], "names": ["layers.0.attention.wq.weight"], "weight_decay": 0.0}],
+               options=EngineOptions(tile_size=8))
+    for _ in range(3):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    assert opt.state[p]["L"].dtype == torch.float64 and opt.state[p]["exp_avg"].dtype == torch.float32
+    q = torch.nn.Parameter(p.detach().clone())
+    other = SOAP([{"params": [q], "names": ["layers.0.attention.wq.weight"], "weight_decay": 0.0}],
+                 options=EngineOptions(tile_size=8))
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for k, v in opt.state[p].items():
+        assert other.state[q][k].dtype == v.dtype and torch.equal(other.state[q][k], v), k

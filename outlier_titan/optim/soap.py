@@ -194,7 +194,9 @@ class SOAP(TileAdamBase):
             # Which of this region's tiles refresh now.
             gi = torch.tensor(plan.axes[0].local_tiles[rseg.pos:rseg.pos + rseg.count])
             gj = torch.tensor(plan.axes[1].local_tiles[cseg.pos:cseg.pos + cseg.count])
-            k = (gi[:, None] * n1_tiles + gj[None, :]) if self.stagger else torch.zeros(len(gi), len(gj), dtype=torch.long)
+            k = gi[:, None] * n1_tiles + gj[None, :]   # global linear tile index
+            if not self.stagger:
+                k = torch.zeros_like(k)
             ii, jj = torch.nonzero((t + k) % self.frequency == 0, as_tuple=True)
             if ii.numel() == 0:
                 continue

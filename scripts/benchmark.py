@@ -1,0 +1,240 @@
+"""Benchmarks. Sub-benchmark ``optim``: optimizer step time of OrthoAdam and SOAP relative to AdamW.
+
+    python scripts/benchmark.py optim [--shapes gpt2_124m,debug] [--tile-sizes 256,64] [--reps 5] [--markdown FILE]
+
+For each shape set, AdamW (torch, foreach), OrthoAdam and SOAP step the *same* parameter tensors with the
+same gradients in one process; repetitions are interleaved (AdamW, OrthoAdam, SOAP, AdamW, ...) so that
+load from other processes on a shared machine hits all three alike, and ratios of medians are reported.
+SOAP's time is amortised over its refresh period: with staggered refreshes every step refreshes about
+1/f of the tiles, and the reps together cover at least f consecutive steps. The first (warm-up) step of each
+optimizer, SOAP's eigh initialisation included, is not timed. Also reported: optimizer state bytes per
+parameter (checkpointed state; OrthoAdam's regenerated bases separately) and, for the debug model, the
+optimizer step as a share of a whole training step (forward + backward + step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from outlier_titan.optim.orthoadam import OrthoAdam  # noqa: E402
+from outlier_titan.optim.soap import SOAP  # noqa: E402
+from outlier_titan.optim.tile_engine import EngineOptions  # noqa: E402
+
+
+def gpt2_124m_shapes(vocab: int = 50304, dim: int = 768, layers: int = 12, ctx: int = 1024) -> list[tuple]:
+    """GPT-2 small (seed 000's "130M" class): tied embeddings, learned positions, LayerNorm with bias."""
+    shapes = [("tok_embeddings.weight", (vocab, dim)), ("pos_embeddings.weight", (ctx, dim))]
+    for i in range(layers):
+        p = f"layers.{i}."
+        for norm in ("attention_norm", "ffn_norm"):
+            shapes += [(p + norm + ".weight", (dim,)), (p + norm + ".bias", (dim,))]
+        for w in ("wq", "wk", "wv", "wo"):
+            shapes += [(p + f"attention.{w}.weight", (dim, dim)), (p + f"attention.{w}.bias", (dim,))]
+        shapes += [(p + "feed_forward.w1.weight", (4 * dim, dim)), (p + "feed_forward.w1.bias", (4 * dim,)),
+                   (p + "feed_forward.w2.weight", (dim, 4 * dim)), (p + "feed_forward.w2.bias", (dim,))]
+    shapes += [("norm.weight", (dim,)), ("norm.bias", (dim,))]
+    return shapes
+
+
+def debug_model():
+    """The debug flavor of the pre_ln model (what train_configs/debug.toml trains), materialised on CPU."""
+    from outlier_titan.config.job_config import JobConfig
+    from outlier_titan.data import build_tokenizer
+    from outlier_titan.trainer import build_model
+
+    cfg = JobConfig()
+    cfg.training.seq_len = 256
+    vocab = build_tokenizer(cfg.data.tokenizer).vocab_size
+    _, _, model = build_model(cfg, vocab)
+    model = model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    return model, vocab
+
+
+def make_optimizers(params: dict, args) -> dict:
+    names = list(params)
+    decay = [n for n in names if params[n].ndim == 2 and "embeddings" not in n]
+    rest = [n for n in names if n not in decay]
+    groups = lambda: [{"params": [params[n] for n in decay], "names": decay, "weight_decay": 0.1},  # noqa: E731
+                      {"params": [params[n] for n in rest], "names": rest, "weight_decay": 0.0}]
+    opts = EngineOptions(tile_size=args.tile_size)  # the current entry of --tile-sizes
+    plain = lambda: [{k: v for k, v in g.items() if k != "names"} for g in groups()]  # noqa: E731
+    return {"adamw": torch.optim.AdamW(plain(), lr=1e-4, betas=(0.9, 0.95), foreach=True),
+            "orthoadam": OrthoAdam(groups(), lr=1e-4, betas=(0.9, 0.95), basis=args.basis, options=opts),
+            "soap": SOAP(groups(), lr=1e-4, precondition_frequency=args.frequency,
+                         factor_dtype=args.soap_factor_dtype, options=opts)}
+
+
+def state_bytes(opt) -> int:
+    total = 0
+    for st in opt.state.values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                total += v.numel() * v.element_size()
+    return total
+
+
+def basis_bytes(opt) -> int:
+    return sum(b.numel() * b.element_size() for axes in getattr(opt, "_bases", {}).values()
+               for ax in axes if ax for b in ax.values())
+
+
+def bench_optim(label: str, params: dict, args) -> dict:
+    n_params = sum(p.numel() for p in params.values())
+    gen = torch.Generator().manual_seed(0)
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    opts = make_optimizers(params, args)
+    for opt in opts.values():
+        opt.step()  # warm-up; SOAP's first call initialises its bases
+    if opts["soap"].frequency > 1:
+        opts["soap"].step()  # then take SOAP into its update regime
+    times = {k: [] for k in opts}
+    for _ in range(args.reps):
+        for name, opt in opts.items():
+            t0 = time.perf_counter()
+            for _ in range(args.steps_per_rep):
+                opt.step()
+            times[name].append((time.perf_counter() - t0) / args.steps_per_rep)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mean = {k: statistics.fmean(v) for k, v in times.items()}
+    return {"label": label, "params": n_params, "median_s": med, "mean_s": mean,
+            "ratio_median": {k: med[k] / med["adamw"] for k in med},
+            "ratio_mean": {k: mean[k] / mean["adamw"] for k in mean},
+            "bytes_per_param": {k: state_bytes(o) / n_params for k, o in opts.items()},
+            "basis_bytes_per_param": basis_bytes(opts["orthoadam"]) / n_params,
+            "soap_steps_timed": args.reps * args.steps_per_rep, "opts": opts}
+
+
+def train_step_share(model, vocab: int, result: dict, args) -> dict:
+    """Forward + backward time of the debug model on one batch, vs each optimizer's step."""
+    tokens = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    times = []
+    for _ in range(args.reps):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        times.append(time.perf_counter() - t0)
+    fb = statistics.median(times)
+    return {"fwd_bwd_s": fb, "tokens": args.batch * args.seq_len,
+            "share": {k: v / (fb + v) for k, v in result["median_s"].items()}}
+
+
+def markdown(results: list[dict], args, command: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    lines = ["## Optimizer step: OrthoAdam and SOAP vs AdamW", "",
+             f"- Date: {datetime.date.today().isoformat()}",
+             f"- Machine: {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+             f"Python {platform.python_version()} (CPU shared with other jobs: ratios, interleaved reps)",
+             f"- Command: `{command}`",
+             f"- Settings: OrthoAdam basis {args.basis}, SOAP frequency "
+             f"{args.frequency} (staggered) with {args.soap_factor_dtype} factors, {args.reps} interleaved reps x "
+             f"{args.steps_per_rep} steps, medians", "",
+             "| shapes | params | tile | AdamW step | OrthoAdam step | SOAP step (amortised) | OrthoAdam / AdamW | "
+             "SOAP / AdamW |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        m = r["median_s"]
+        lines.append(f"| {r['label']} | {r['params'] / 1e6:.2f}M | {r['tile']} | {m['adamw'] * 1e3:.1f} ms | "
+                     f"{m['orthoadam'] * 1e3:.1f} ms | {r['mean_s']['soap'] * 1e3:.1f} ms | "
+                     f"{r['ratio_median']['orthoadam']:.2f}x | {r['ratio_mean']['soap']:.2f}x |")
+    lines += ["", "Targets: OrthoAdam <= 1.15x, SOAP (f = 10, amortised) <= 1.5x AdamW's step."]
+    lines += ["", "State bytes per parameter (checkpointed optimizer state; OrthoAdam's bases are regenerated, "
+              "not saved, and listed apart):", "",
+              "| shapes | tile | AdamW | OrthoAdam | OrthoAdam bases (resident) | SOAP |",
+              "|---|---|---|---|---|---|"]
+    for r in results:
+        b = r["bytes_per_param"]
+        lines.append(f"| {r['label']} | {r['tile']} | {b['adamw']:.1f} | {b['orthoadam']:.1f} | "
+                     f"{r['basis_bytes_per_param']:.2f} | {b['soap']:.1f} |")
+    shares = [r for r in results if "train" in r]
+    if shares:
+        lines += ["", "Optimizer step as a share of a whole training step (forward + backward + step):", "",
+                  "| shapes | tile | batch tokens | fwd+bwd | AdamW | OrthoAdam | SOAP |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in shares:
+            t, s = r["train"], r["train"]["share"]
+            lines.append(f"| {r['label']} | {r['tile']} | {t['tokens']} | {t['fwd_bwd_s'] * 1e3:.0f} ms | "
+                         f"{s['adamw']:.1%} | "
+                         f"{s['orthoadam']:.1%} | {s['soap']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_optim(args, command: str) -> list[dict]:
+    torch.set_grad_enabled(True)
+    results = []
+    for shape_set, tile in [(s, int(t)) for s in args.shapes.split(",") for t in args.tile_sizes.split(",")]:
+        args.tile_size = tile
+        if shape_set == "gpt2_124m":
+            params = {n: torch.nn.Parameter(torch.randn(s) * 0.02) for n, s in gpt2_124m_shapes()}
+            r = bench_optim("GPT-2 small (130M class), dim 768", params, args)
+        elif shape_set == "debug":
+            model, vocab = debug_model()
+            params = dict(model.named_parameters())
+            r = bench_optim("debug model (pre_ln/debug)", params, args)
+            r["train"] = train_step_share(model, vocab, r, args)
+        else:
+            raise SystemExit(f"--shapes: unknown shape set {shape_set!r}; use gpt2_124m and/or debug")
+        r.pop("opts")
+        r["tile"] = tile
+        results.append(r)
+        print(f"{r['label']} tile {tile}: AdamW {r['median_s']['adamw'] * 1e3:.1f} ms, OrthoAdam x"
+              f"{r['ratio_median']['orthoadam']:.2f}, SOAP x{r['ratio_mean']['soap']:.2f} (amortised); "
+              f"bytes/param {', '.join(f'{k} {v:.1f}' for k, v in r['bytes_per_param'].items())}", flush=True)
+    text = markdown(results, args, command)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="bench", required=True)
+    o = sub.add_parser("optim", help="optimizer step time of OrthoAdam and SOAP relative to AdamW")
+    o.add_argument("--shapes", default="gpt2_124m,debug", help="comma list of: gpt2_124m, debug")
+    o.add_argument("--tile-sizes", default="256,64", help="comma list of optimizer.tile_size values")
+    o.add_argument("--basis", default="hadamard", choices=("hadamard", "haar"))
+    o.add_argument("--frequency", type=int, default=10, help="SOAP precondition_frequency")
+    o.add_argument("--soap-factor-dtype", default="float64", choices=("float64", "float32"))
+    o.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
+    o.add_argument("--steps-per-rep", type=int, default=2)
+    o.add_argument("--batch", type=int, default=8, help="debug train-step share: sequences")
+    o.add_argument("--seq-len", type=int, default=256, help="debug train-step share: tokens per sequence")
+    o.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: stable timings on a shared machine; OpenMP spin-waits under load)")
+    o.add_argument("--markdown", default="", help="also write the markdown tables to this file")
+    args = parser.parse_args(argv)
+    command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(args.threads)
+    if args.bench == "optim":
+        run_optim(args, command)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
