@@ -52,12 +52,12 @@ def debug_model():
     """The debug flavor of the pre_ln model (what train_configs/debug.toml trains), materialised on CPU."""
     from outlier_titan.config.job_config import JobConfig
     from outlier_titan.data import build_tokenizer
-    from outlier_titan.trainer import build_model
+    from outlier_titan.models.registry import build_meta_model
 
     cfg = JobConfig()
     cfg.training.seq_len = 256
     vocab = build_tokenizer(cfg.data.tokenizer).vocab_size
-    _, _, model = build_model(cfg, vocab)
+    _, _, model = build_meta_model(cfg.model, vocab, cfg.training.seq_len)
     model = model.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
@@ -148,7 +148,7 @@ def markdown(results: list[dict], args, command: str) -> str:
         pass
     lines = ["## Optimizer step: OrthoAdam and SOAP vs AdamW", "",
              f"- Date: {datetime.date.today().isoformat()}",
-             f"- Machine: {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+             f"- Machine: {cpu}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}, "
              f"Python {platform.python_version()} (CPU shared with other jobs: ratios, interleaved reps)",
              f"- Command: `{command}`",
              f"- Settings: OrthoAdam basis {args.basis}, SOAP frequency "
