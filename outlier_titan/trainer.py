@@ -230,7 +230,6 @@ class Trainer:
             if stop:
                 self.log0(f"SIGTERM received: stopped after step {step}")
                 break
-        self.logger.close()
 
     def _log(self, step: int, loss: torch.Tensor, norm: torch.Tensor, lr: float) -> None:
         loss_v = self.global_loss(loss)
@@ -281,7 +280,11 @@ class Trainer:
         return self._gloo
 
     def close(self) -> None:
+        """Waits for every rank, then tears the process groups down (a rank that exits while a peer's gloo
+        threads still talk to it can abort the peer at exit)."""
+        self.logger.close()
         if dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
 
 
@@ -299,12 +302,10 @@ def main(argv: list[str]) -> int:
             return 0
         trainer = Trainer(cfg)
         trainer.train()
+        trainer.close()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        if trainer is not None:
-            trainer.close()
-        elif dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()
+        return 2
     return 0

@@ -1,6 +1,11 @@
-"""Benchmarks. Sub-benchmark ``optim``: optimizer step time of OrthoAdam and SOAP relative to AdamW.
+"""Benchmarks. Sub-benchmark ``optim``: optimizer step time of OrthoAdam and SOAP relative to AdamW;
+``probe``: cost of the outlier probe relative to training.
 
     python scripts/benchmark.py optim [--shapes gpt2_124m,debug] [--tile-sizes 256,64] [--reps 5] [--markdown FILE]
+    python scripts/benchmark.py probe [--every 100] [--steps 40] [--probes 8] [--mode full]
+
+``probe`` builds the debug-run trainer in this process (world size 1), times training steps and probe runs
+interleaved in one run, and reports the throughput drop at ``observe.every = N``: probe time / (N x step time).
 
 For each shape set, AdamW (torch, foreach), OrthoAdam and SOAP step the *same* parameter tensors with the
 same gradients in one process; repetitions are interleaved (AdamW, OrthoAdam, SOAP, AdamW, ...) so that
@@ -212,6 +217,44 @@ def run_optim(args, command: str) -> list[dict]:
     return results
 
 
+def run_probe(args, command: str) -> dict:
+    """Median training-step time vs median probe time on the debug run, measured interleaved in one process."""
+    import tempfile
+
+    from outlier_titan.config.manager import parse_args
+    from outlier_titan.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = parse_args(["--config", str(ROOT / "train_configs/debug.toml"), "--job.dump_folder", tmp,
+                          "--checkpoint.enable", "false", "--eval.every", "0", "--metrics.tensorboard", "false",
+                          "--observe.every", str(args.every), "--observe.mode", args.mode,
+                          "--training.steps", "1000000"])
+        trainer = Trainer(cfg)
+        trainer._build_probe()
+        probe_every = max(1, args.steps // args.probes)
+        step_times, probe_times = [], []
+        for i in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            trainer.train_step()
+            if i >= args.warmup:
+                step_times.append(time.perf_counter() - t0)
+            if i % probe_every == 0:
+                t0 = time.perf_counter()
+                trainer.probe.run(trainer.probe_tokens)
+                if i >= args.warmup:
+                    probe_times.append(time.perf_counter() - t0)
+        trainer.close()
+    step, probe = statistics.median(step_times), statistics.median(probe_times)
+    result = {"step_ms": 1e3 * step, "probe_ms": 1e3 * probe, "drop": probe / (args.every * step + probe)}
+    print(f"date {datetime.date.today()}  machine {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} thread(s), torch {torch.__version__}\ncommand: {command}")
+    print("| model | probe mode | observe.every | train step (median) | probe (median) | throughput drop |")
+    print("|---|---|---|---|---|---|")
+    print(f"| debug (pre_ln, 16 x 256 tokens) | {args.mode} | {args.every} | {result['step_ms']:.1f} ms | "
+          f"{result['probe_ms']:.1f} ms | {100 * result['drop']:.2f}% |")
+    return result
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -228,11 +271,20 @@ def main(argv=None) -> int:
     o.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: stable timings on a shared machine; OpenMP spin-waits under load)")
     o.add_argument("--markdown", default="", help="also write the markdown tables to this file")
+    p = sub.add_parser("probe", help="outlier-probe cost relative to training steps (debug model)")
+    p.add_argument("--every", type=int, default=100, help="observe.every the drop is reported for")
+    p.add_argument("--steps", type=int, default=40, help="timed training steps")
+    p.add_argument("--probes", type=int, default=8, help="timed probe runs, interleaved with the steps")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--mode", default="full", choices=("full", "cheap"))
+    p.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
     if args.bench == "optim":
         run_optim(args, command)
+    elif args.bench == "probe":
+        run_probe(args, command)
     return 0
 
 

@@ -93,6 +93,7 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        self.jsonl = self.tb = None
 
 
 def _json_float(v: Any) -> Any:
