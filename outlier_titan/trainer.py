@@ -56,6 +56,11 @@ def loss_context(logits: torch.Tensor):
     return nullcontext()
 
 
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy summed over tokens, in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+
+
 def replicated_value(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor of a scalar that may be a (replicated) DTensor from the parallel loss."""
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -124,6 +129,7 @@ class Trainer:
         self.sigterm_received = False  # set by the signal handler on this rank
         self.preempted = False  # any rank received SIGTERM (reduced)
         self.tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
+        self.cross_entropy = torch.compile(cross_entropy_sum) if cfg.compile.enable else cross_entropy_sum
 
     def model_layers(self) -> int:
         return len(self.model.layers)
@@ -138,9 +144,10 @@ class Trainer:
     # ---------------------------------------------------------------- step
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Token-summed cross entropy divided by the global number of target tokens."""
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
-        return loss / self.tokens_per_step
+        """Token-summed cross entropy divided by the global number of target tokens (compiled with
+        ``compile.enable``, except on vocab-sharded logits, which take the loss-parallel path)."""
+        ce = cross_entropy_sum if isinstance(logits, DTensor) else self.cross_entropy
+        return ce(logits, labels) / self.tokens_per_step
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.optimizer.zero_grad(set_to_none=True)

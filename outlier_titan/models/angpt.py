@@ -58,9 +58,10 @@ from outlier_titan.config.manager import ConfigError
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import Attention, RotaryEmbedding, attention, init_norms
 from outlier_titan.models.ngpt import (
+    NGPT,
     HeadScale,
     Lerp,
-    ScaledLinear,
+    NGPTBlock,
     init_scales,
     init_unit,
     l2norm,
@@ -68,7 +69,7 @@ from outlier_titan.models.ngpt import (
     normalized_tp_plan,
     project_,
 )
-from outlier_titan.models.pre_ln import build_rope, rope_dims
+from outlier_titan.models.pre_ln import rope_dims
 from outlier_titan.models.registry import ModelSpec, register_spec
 
 NU_ACF = 3.74  # SiLU-GLU activation factor, the paper's Monte-Carlo value
@@ -151,9 +152,11 @@ class ANGPTMLP(nn.Module):
         return self.w2(u * F.silu(z) * self.nu_acf) * self.nu_d
 
 
-class ANGPTBlock(nn.Module):
+class ANGPTBlock(NGPTBlock):
+    """nGPT's block forward with anGPT's sub-layers and its ν(α) LERP (no exact normalisation)."""
+
     def __init__(self, args: ANGPTArgs, rope: RotaryEmbedding | None):
-        super().__init__()
+        nn.Module.__init__(self)
         lerp = dict(dim=args.dim, alpha_init=args.alpha_init, stored_init=args.param_scale,
                     abs_alpha=args.alpha_abs, form=args.lerp_form, factor=args.lerp_factor)
         self.attention = ANGPTAttention(args, rope)
@@ -161,28 +164,9 @@ class ANGPTBlock(nn.Module):
         self.feed_forward = ANGPTMLP(args)
         self.mlp_lerp = Lerp(**lerp)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.attn_lerp(h, l2norm(self.attention(h)))
-        return self.mlp_lerp(h, l2norm(self.feed_forward(h)))
 
-
-class ANGPT(nn.Module):
-    def __init__(self, args: ANGPTArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.rope = (build_rope(args.dim // args.n_heads, args.max_seq_len, args.rope_theta, args.rope_fraction)
-                     if args.pos_encoding == "rope" else None)
-        self.layers = nn.ModuleDict({str(i): ANGPTBlock(args, self.rope) for i in range(args.n_layers)})
-        self.norm = nn.Identity()
-        self.output = ScaledLinear(args.dim, args.vocab_size, mult=args.logit_scale_init / args.param_scale,
-                                   stored_init=args.param_scale)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for block in self.layers.values():
-            h = block(h)
-        return self.output(self.norm(h))
+class ANGPT(NGPT):
+    block_cls = ANGPTBlock
 
     @torch.no_grad()
     def init_weights(self, init: Initializer) -> None:

@@ -244,6 +244,9 @@ class NGPTMLP(nn.Module):
 
 
 class NGPTBlock(nn.Module):
+    """h <- lerp(h, normalised attention(h)); h <- lerp(h, normalised mlp(h)). anGPT's block shares this
+    forward and differs in its sub-layers and LERP factor."""
+
     def __init__(self, args: NGPTArgs, rope: RotaryEmbedding | None):
         super().__init__()
         self.attention = NGPTAttention(args, rope)
@@ -257,13 +260,17 @@ class NGPTBlock(nn.Module):
 
 
 class NGPT(nn.Module):
+    """Embedding -> normalised LERP blocks -> scaled head (no final norm). anGPT subclasses it."""
+
+    block_cls = NGPTBlock
+
     def __init__(self, args: NGPTArgs):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.rope = (build_rope(args.dim // args.n_heads, args.max_seq_len, args.rope_theta, args.rope_fraction)
                      if args.pos_encoding == "rope" else None)
-        self.layers = nn.ModuleDict({str(i): NGPTBlock(args, self.rope) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block_cls(args, self.rope) for i in range(args.n_layers)})
         self.norm = nn.Identity()
         self.output = ScaledLinear(args.dim, args.vocab_size, mult=args.logit_scale_init / args.param_scale,
                                    stored_init=args.param_scale)

@@ -31,6 +31,8 @@ than ``max_precond_dim`` is not rotated.
 
 from __future__ import annotations
 
+import abc
+
 import fnmatch
 import itertools
 import math
@@ -459,7 +461,7 @@ def rotate_tiles(x4: torch.Tensor, q0: torch.Tensor | None, q1: torch.Tensor | N
 # The optimizer base
 
 
-class TileAdamBase(torch.optim.Optimizer):
+class TileAdamBase(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Shared machinery of the tile optimizers; subclasses provide the bases and the update.
 
     ``params``: param groups as ``build_param_groups`` makes them (each with ``names``, the FQNs).
@@ -485,11 +487,13 @@ class TileAdamBase(torch.optim.Optimizer):
                 self.plans[p] = plan_param(fqn, p, options, self.group_other_axis, pow2, self.stacked_state)
 
     # -- subclass hooks ---------------------------------------------------------------------------------
+    @abc.abstractmethod
     def _init_state(self, p: torch.Tensor, plan: ParamPlan, group: dict) -> dict:
-        raise NotImplementedError
+        """The per-parameter state (moments, and the basis provider's own) created at construction."""
 
+    @abc.abstractmethod
     def _apply(self, work: list) -> None:
-        raise NotImplementedError
+        """Rotates, updates the moments and applies the update for a batch of same-shape tiles."""
 
     # -- state ----------------------------------------------------------------------------------------
     def _materialize(self) -> None:
