@@ -68,8 +68,8 @@ from outlier_titan.models.ngpt import (
     normalized_matrices,
     normalized_tp_plan,
     project_,
+    validate_normalized_args,
 )
-from outlier_titan.models.pre_ln import rope_dims
 from outlier_titan.models.registry import ModelSpec, register_spec
 
 NU_ACF = 3.74  # SiLU-GLU activation factor, the paper's Monte-Carlo value
@@ -105,16 +105,9 @@ class ANGPTArgs:
             self.attn_scale_init = math.sqrt(self.dim // self.n_heads)
 
     def validate(self) -> None:
-        if self.dim % self.n_heads:
-            raise ConfigError(f"model: dim {self.dim} is not divisible by n_heads {self.n_heads}")
-        if self.pos_encoding not in ("rope", "none"):
-            raise ConfigError(f"model.pos_encoding = {self.pos_encoding!r}: angpt supports rope or none")
-        if self.pos_encoding == "rope":
-            rope_dims(self.dim // self.n_heads, self.rope_fraction)
+        validate_normalized_args(self, "angpt")
         if self.lerp_form not in ("corrected", "printed"):
             raise ConfigError(f"model.lerp_form = {self.lerp_form!r}: choose corrected or printed")
-        if self.param_scale <= 0:
-            raise ConfigError(f"model.param_scale must be > 0, got {self.param_scale}")
 
 
 class ANGPTAttention(Attention):

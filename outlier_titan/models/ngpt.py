@@ -204,14 +204,19 @@ class NGPTArgs:
             self.param_scale = 1.0 / math.sqrt(self.dim)
 
     def validate(self) -> None:
-        if self.dim % self.n_heads:
-            raise ConfigError(f"model: dim {self.dim} is not divisible by n_heads {self.n_heads}")
-        if self.pos_encoding not in ("rope", "none"):
-            raise ConfigError(f"model.pos_encoding = {self.pos_encoding!r}: ngpt supports rope or none")
-        if self.pos_encoding == "rope":
-            rope_dims(self.dim // self.n_heads, self.rope_fraction)
-        if self.param_scale <= 0:
-            raise ConfigError(f"model.param_scale must be > 0, got {self.param_scale}")
+        validate_normalized_args(self, "ngpt")
+
+
+def validate_normalized_args(args, spec: str) -> None:
+    """Checks shared by the nGPT and anGPT args."""
+    if args.dim % args.n_heads:
+        raise ConfigError(f"model: dim {args.dim} is not divisible by n_heads {args.n_heads}")
+    if args.pos_encoding not in ("rope", "none"):
+        raise ConfigError(f"model.pos_encoding = {args.pos_encoding!r}: {spec} supports rope or none")
+    if args.pos_encoding == "rope":
+        rope_dims(args.dim // args.n_heads, args.rope_fraction)
+    if args.param_scale <= 0:
+        raise ConfigError(f"model.param_scale must be > 0, got {args.param_scale}")
 
 
 class NGPTAttention(Attention):
