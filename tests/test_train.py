@@ -126,3 +126,23 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert "SIGTERM received" in out
     steps = [int(p.name.split("-")[1]) for p in (tmp_path / "pre" / "checkpoints").glob("step-*")]
     assert len(steps) == 1 and 2 <= steps[0] < 100000
+
+
+def test_probe_run_writes_outlier_scalars_and_both_images(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = train(tmp_path, *TINY, "--training.steps", "4", "--observe.every", "2", "--observe.batch_size", "2",
+                "--metrics.tensorboard", "true").check()
+    probe_steps = [r["step"] for r in run.records if "outliers/kurtosis_first" in r]
+    assert probe_steps == [2, 4]
+    for name in ("kurtosis_first", "kurtosis_rest", "kurtosis_neuron_rms", "max_abs_first", "max_abs_rest",
+                 "max_median_ratio", "signal_prop_cos", "first_token_argmax_share", "first_token_attention_mass"):
+        assert f"outliers/{name}" in run.records[-1]
+        assert f"outliers/layer_0/{name}" in run.records[-1] and f"outliers/layer_3/{name}" in run.records[-1]
+    acc = EventAccumulator(str(next((run.run_dir / "tb").glob("events.out.tfevents.*"))),
+                           size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    assert "outliers/kurtosis_first" in acc.Tags()["scalars"]
+    assert {"outliers/attention_map", "outliers/hidden_magnitude"} <= set(acc.Tags()["images"])
+    img = acc.Images("outliers/attention_map")[-1]
+    assert img.step == 4 and img.width > 16 and img.height > 16
