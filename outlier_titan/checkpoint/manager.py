@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +185,9 @@ def load_model_for_eval(checkpoint: str | Path, device: str | torch.device = "cp
     model.init_weights(Initializer(cfg.training.seed, device))  # fills non-persistent buffers (RoPE tables)
     state = {"model": model.state_dict()}
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        with warnings.catch_warnings():  # loading in one process is the intent here, not a fallback
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot load the model from {path}: {first[:300]}") from None
