@@ -1,6 +1,7 @@
 """Scale-out equivalence on gloo CPU ranks: TP, HSDP, activation checkpointing, compile, grad accumulation,
 DCP resharding between layouts, and the dry-run planner."""
 
+import os
 import subprocess
 import sys
 import time
@@ -104,3 +105,10 @@ def test_mesh_that_does_not_fit_world_size_is_a_one_line_error(tmp_path):
     run = train(tmp_path, *TINY, "--parallelism.tp", "2", "--parallelism.dp_shard", "2", nproc=2)
     assert run.returncode != 0
     assert "but the world size is 2" in run.stderr
+
+
+def test_tp_logits_stay_vocab_sharded_and_the_parallel_loss_is_exact():
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(REPO / "tests/dist/loss_parallel_worker.py")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
