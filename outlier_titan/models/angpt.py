@@ -123,9 +123,7 @@ class ANGPTAttention(Attention):
         q, k, v = self.project_qkv(x)
         q, k, v = q * self.nu_qkv, k * self.nu_qkv, v * self.nu_qkv
         q, k = self.temperature(l2norm(q)), l2norm(k)
-        out = attention(q, k, v, self.softmax, scale=1.0, prob_hook=self.prob_hook)
-        b, _, t, _ = out.shape
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1)) * self.nu_p
+        return self.project_out(attention(q, k, v, self.softmax, scale=1.0, prob_hook=self.prob_hook)) * self.nu_p
 
 
 class ANGPTMLP(nn.Module):

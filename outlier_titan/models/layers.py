@@ -90,10 +90,24 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
 
-def explicit_attention_probs(q: torch.Tensor, k: torch.Tensor, softmax: str, scale: float) -> torch.Tensor:
-    """Causal attention probabilities [B, H, T, T] computed explicitly (softmax-1 rows sum to < 1)."""
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v with their (grouped-query) heads repeated to q's head count."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return k, v
+
+
+def explicit_attention_probs(q: torch.Tensor, k: torch.Tensor, softmax: str, scale: float,
+                             softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention probabilities [B, H, T, T] computed explicitly (softmax-1 rows sum to < 1).
+
+    ``softcap > 0`` caps the scaled logits as c * tanh(s / c) before masking (the sink logit stays 0).
+    """
     t = q.shape[-2]
     s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     s = s.masked_fill(~mask, float("-inf"))
     if softmax == "softmax1":
@@ -113,9 +127,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax: str, s
     outlier probe) and passed to the hook.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    k, v = repeat_kv(q, k, v)
     if prob_hook is not None:
         p = explicit_attention_probs(q, k, softmax, scale)
         prob_hook(p)
@@ -157,11 +169,14 @@ class Attention(nn.Module):
             q, k = self.rope(q), self.rope(k)
         return q, k, v
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project_qkv(x)
-        out = attention(q, k, v, self.softmax, prob_hook=self.prob_hook)
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, H_local, T, d_h] attention output -> wo([B, T, H_local * d_h])."""
         b, _, t, _ = out.shape
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project_qkv(x)
+        return self.project_out(attention(q, k, v, self.softmax, prob_hook=self.prob_hook))
 
 
 class MLP(nn.Module):

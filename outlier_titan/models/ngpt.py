@@ -229,9 +229,8 @@ class NGPTAttention(Attention):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
         q, k = self.sqk(l2norm(q)), self.sqk(l2norm(k))
-        out = attention(q, k, v, self.softmax, scale=self.head_dim ** 0.5, prob_hook=self.prob_hook)
-        b, _, t, _ = out.shape
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return self.project_out(attention(q, k, v, self.softmax, scale=self.head_dim ** 0.5,
+                                          prob_hook=self.prob_hook))
 
 
 class NGPTMLP(nn.Module):

@@ -56,7 +56,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from outlier_titan.config.manager import ConfigError
 from outlier_titan.models.init import Initializer
-from outlier_titan.models.layers import MLP, Attention, LayerNorm, RotaryEmbedding, build_norm, init_norms
+from outlier_titan.models.layers import (MLP, Attention, LayerNorm, RotaryEmbedding, build_norm,
+                                         explicit_attention_probs, init_norms, repeat_kv)
 from outlier_titan.models.pre_ln import build_rope, rope_dims
 from outlier_titan.models.registry import ModelSpec, register_spec
 
@@ -146,20 +147,8 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, soft
                          prob_hook=None) -> torch.Tensor:
     """Causal attention with logits c * tanh(s / c), s = q k^T / sqrt(d_h) (explicit path; softmax-1 exact:
     sink logit 0 after the cap)."""
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    t = q.shape[-2]
-    s = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
-    s = cap * torch.tanh(s / cap)
-    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    s = s.masked_fill(~mask, float("-inf"))
-    if softmax == "softmax1":
-        m = s.amax(-1, keepdim=True).clamp_min(0.0)
-        e = torch.exp(s - m)
-        p = e / (torch.exp(-m) + e.sum(-1, keepdim=True))
-    else:
-        p = torch.softmax(s, dim=-1)
+    k, v = repeat_kv(q, k, v)
+    p = explicit_attention_probs(q, k, softmax, q.shape[-1] ** -0.5, softcap=cap)
     if prob_hook is not None:
         prob_hook(p.detach())
     return (p @ v.float()).to(q.dtype)
@@ -177,9 +166,7 @@ class OPAttention(Attention):
         if not self.softcap:
             return super().forward(x)
         q, k, v = self.project_qkv(x)
-        out = softcapped_attention(q, k, v, self.softmax, self.softcap, self.prob_hook)
-        b, _, t, _ = out.shape
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return self.project_out(softcapped_attention(q, k, v, self.softmax, self.softcap, self.prob_hook))
 
 
 @functools.lru_cache(maxsize=None)
