@@ -51,9 +51,10 @@ def _optimizer_bytes_per_element(cfg: JobConfig) -> float:
     if name == "sgd" and not cfg.optimizer.momentum:
         return 0.0
     if name == "soap":
-        # m, v (8) + per-tile L, R, Q_L, Q_R: 4 t x t fp32 matrices per t x t tile = 16 / t bytes per element.
-        tile = getattr(cfg.optimizer, "tile_size", 256) or 256
-        return 8.0 + 16.0 * 4 / tile
+        # m, v (fp32) + per t x t tile the factors L, R and bases Q_L, Q_R, each t x t: one value of each per
+        # element of a square tile (an upper bound: unrotated vocab axes carry no factor).
+        factor_bytes = 8 if cfg.optimizer.soap_factor_dtype == "float64" else 4
+        return 8.0 + 2 * factor_bytes + 2 * 4
     return OPTIMIZER_STATE_BYTES[name]
 
 
@@ -101,7 +102,7 @@ def plan(cfg: JobConfig) -> Plan:
         n_layers, dim = len(model.layers), model.tok_embeddings.weight.shape[1]
         n_heads = getattr(args, "n_heads", 1)
         vocab = model.tok_embeddings.weight.shape[0]
-        fpt = flops_per_token(model, n_layers, dim, cfg.training.seq_len)
+        fpt = flops_per_token(model, cfg.training.seq_len)
         cuda_like = cfg.training.device != "cpu"
         compute_bytes = 2 if (cuda_like and cfg.training.mixed_precision_param == "bfloat16") else 4
         parallelize(model, spec, args, cfg, dims, mesh, "cuda" if cuda_like else "cpu")
