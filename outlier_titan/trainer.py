@@ -101,8 +101,7 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         self.spec, self.args, self.model = build_meta_model(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
         self.n_params = count_params(self.model)
-        self.flops_per_token = flops_per_token(self.model, self.model_layers(), self.model_dim(),
-                                               cfg.training.seq_len)
+        self.flops_per_token = flops_per_token(self.model, cfg.training.seq_len)
         parallelize(self.model, self.spec, self.args, cfg, self.dims, self.mesh, device_type)
         self.model.to_empty(device=self.device)
         self.model.init_weights(Initializer(cfg.training.seed, self.device))
@@ -112,11 +111,11 @@ class Trainer:
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, seed=cfg.training.seed)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        data_kwargs = dict(seq_len=cfg.training.seq_len, global_batch_size=cfg.training.global_batch_size,
-                           micro_batch_size=self.micro_batch, dp_rank=self.dp_rank, dp_degree=self.dims.dp,
-                           seed=cfg.training.seed)
-        self.train_loader = build_dataloader(cfg.data, self.tokenizer, split="train", **data_kwargs)
+        self.train_loader = self.build_loader("train", cfg.training.global_batch_size, self.micro_batch)
         self.train_iter = iter(self.train_loader)
+        # Validation always reads the same first batches: one loader, rewound before each evaluation.
+        self.val_loader = (self.build_loader("validation", cfg.training.global_batch_size, self.micro_batch)
+                           if cfg.eval.every else None)
         self.state = TrainState()
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints", cfg.checkpoint.keep_latest_k,
@@ -131,11 +130,11 @@ class Trainer:
         self.tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
         self.cross_entropy = torch.compile(cross_entropy_sum) if cfg.compile.enable else cross_entropy_sum
 
-    def model_layers(self) -> int:
-        return len(self.model.layers)
-
-    def model_dim(self) -> int:
-        return self.model.tok_embeddings.weight.shape[1]
+    def build_loader(self, split: str, global_batch_size: int, micro_batch_size: int):
+        """This DP rank's loader of ``split`` (see ``data.build_dataloader``)."""
+        return build_dataloader(self.cfg.data, self.tokenizer, split=split, seq_len=self.cfg.training.seq_len,
+                                global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+                                dp_rank=self.dp_rank, dp_degree=self.dims.dp, seed=self.cfg.training.seed)
 
     def log0(self, msg: str) -> None:
         if self.rank == 0:
@@ -183,12 +182,10 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         cfg = self.cfg
-        loader = build_dataloader(cfg.data, self.tokenizer, split="validation", seq_len=cfg.training.seq_len,
-                                  global_batch_size=cfg.training.global_batch_size, micro_batch_size=self.micro_batch,
-                                  dp_rank=self.dp_rank, dp_degree=self.dims.dp, seed=cfg.training.seed)
+        self.val_loader.load_state_dict({"position": 0})
         self.model.eval()
         total = torch.zeros((), device=self.device)
-        it = iter(loader)
+        it = iter(self.val_loader)
         for _ in range(cfg.eval.steps * self.accum_steps):
             inputs, labels = next(it)
             logits = self.model(inputs.to(self.device))
@@ -251,10 +248,7 @@ class Trainer:
         from outlier_titan.observe.probe import OutlierProbe
 
         cfg = self.cfg
-        loader = build_dataloader(cfg.data, self.tokenizer, split="validation", seq_len=cfg.training.seq_len,
-                                  global_batch_size=cfg.observe.batch_size * self.dims.dp,
-                                  micro_batch_size=cfg.observe.batch_size, dp_rank=self.dp_rank,
-                                  dp_degree=self.dims.dp, seed=cfg.training.seed)
+        loader = self.build_loader("validation", cfg.observe.batch_size * self.dims.dp, cfg.observe.batch_size)
         self.probe_tokens = next(iter(loader))[0].to(self.device)
         self.probe = OutlierProbe(self.model, cfg.observe, self.mesh)
 

@@ -119,9 +119,10 @@ def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
     return total
 
 
-def flops_per_token(model: nn.Module, n_layers: int, dim: int, seq_len: int) -> float:
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs per token: 6 x matmul params (head included, embedding lookups excluded) plus the
     causal attention term 6 x layers x dim x seq_len (QK^T and PV, forward and backward, half masked)."""
+    n_layers, dim = len(model.layers), model.tok_embeddings.weight.shape[1]
     matmul_params = count_params(model, exclude_embeddings=True)
     head = getattr(model, "output", None)
     if head is None:  # tied head: the embedding matrix is used as a matmul once
