@@ -65,6 +65,9 @@ class EngineOptions:
     vocab_axis: str = "identity"
     one_d: str = "adamw"
     max_precond_dim: int = 10000
+    # The all-reduced non-finite flag (skip the step on every rank). Off when the caller already skips
+    # non-finite steps before ``step()`` (the trainer does, from the globally reduced gradient norm).
+    nonfinite_guard: bool = True
 
     def __post_init__(self) -> None:
         if self.tile_size < 1:
@@ -534,6 +537,8 @@ class TileAdamBase(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return work
 
     def _all_finite(self, work: list) -> bool:
+        if not self.options.nonfinite_guard:
+            return True
         grads = [g for _, _, _, g in work if g.numel()]
         device = work[0][3].device if work else torch.device("cpu")
         if grads:
