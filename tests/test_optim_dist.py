@@ -7,7 +7,6 @@ has the tile's shape, so the layout changes nothing.
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from outlier_titan.errors import CheckpointError
+from outlier_titan.parallel.dims import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "optim_worker.py"
@@ -32,14 +32,8 @@ def _load_worker():
 W = _load_worker()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(layout: str, world: int, out: Path, timeout: int = 240) -> None:
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),

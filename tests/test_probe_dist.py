@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from outlier_titan.config.job_config import Model, Observe
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import model_args
 from outlier_titan.observe.probe import OutlierProbe
+from outlier_titan.parallel.dims import free_port
 
 SEED, VOCAB, SEQ, BATCH = 7, 4096, 32, 4
 FLAVORS = {"gpt2_s1": dict(flavor="debug", softmax="softmax1"), "llama": dict(flavor="debug_llama")}
@@ -66,14 +66,8 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(world: int, layouts: list, tmp_path) -> list[dict]:
-    mp.start_processes(_worker, args=(world, _free_port(), layouts, str(tmp_path)), nprocs=world, join=True,
+    mp.start_processes(_worker, args=(world, free_port(), layouts, str(tmp_path)), nprocs=world, join=True,
                        start_method="spawn")
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
