@@ -201,6 +201,7 @@ class Trainer:
         resumed = self.checkpointer.load(cfg.checkpoint.load_step) if cfg.checkpoint.enable else None
         if resumed is not None:
             self.train_iter = iter(self.train_loader)
+            self.logger.mark_resume(resumed)
             self.log0(f"resumed from {self.checkpointer.folder / f'step-{resumed}'}")
         self._install_sigterm()
         self.log0(f"model {cfg.model.name}/{cfg.model.flavor}: {self.n_params / 1e6:.2f}M params, "

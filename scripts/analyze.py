@@ -12,7 +12,6 @@ with its folder name. Also prints the last value of every plotted metric per run
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -23,6 +22,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from outlier_titan.observe.logger import read_metrics  # noqa: E402
+
 DEFAULT_METRICS = ("kurtosis_first", "kurtosis_rest", "kurtosis_neuron_rms", "max_abs_first", "max_abs_rest",
                    "max_median_ratio", "signal_prop_cos", "first_token_argmax_share",
                    "first_token_attention_mass", "residual_rms")
@@ -32,22 +33,11 @@ LAYER_RE = re.compile(r"^outliers/layer_(\d+)/(.+)$")
 
 
 def read_run(run_dir: Path) -> dict[int, dict]:
-    """step -> merged record of ``metrics.jsonl`` (later records of a step override earlier keys)."""
+    """step -> merged record of the run's ``metrics.jsonl`` (see ``read_metrics``)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"error: {path} not found (is {run_dir} a run folder?)")
-    steps: dict[int, dict] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            print(f"warning: {path}:{n} is not JSON; skipped", file=sys.stderr)
-            continue
-        if "step" in rec:
-            steps.setdefault(int(rec["step"]), {}).update(rec)
-    return steps
+    return read_metrics(path)
 
 
 def series(records: dict[int, dict], key: str) -> tuple[list[int], list[float]]:

@@ -63,3 +63,20 @@ def test_two_runs_side_by_side_png(tmp_path, capsys):
 def test_missing_metrics_file(tmp_path):
     with pytest.raises(SystemExit, match="metrics.jsonl not found"):
         analyze().main([str(tmp_path), "--out", str(tmp_path / "x.png")])
+
+
+def test_read_metrics_keeps_the_last_run_of_each_step_after_a_resume(tmp_path):
+    from outlier_titan.observe.logger import MetricsLogger, read_metrics
+
+    run = tmp_path / "run"
+    logger = MetricsLogger(run, rank=0, tensorboard=False)
+    for step in (1, 2, 3, 4):  # the first attempt got to step 4, its checkpoint was at step 2
+        logger.log(step, {"loss": 10.0 + step})
+    logger.mark_resume(2)
+    for step in (3, 4, 5):
+        logger.log(step, {"loss": 20.0 + step})
+    logger.close()
+    (run / "metrics.jsonl").open("a").write('{"step": 6, "loss"\n')  # a torn last line
+    records = read_metrics(run / "metrics.jsonl")
+    assert sorted(records) == [1, 2, 3, 4, 5]
+    assert [records[s]["loss"] for s in sorted(records)] == [11.0, 12.0, 23.0, 24.0, 25.0]

@@ -88,12 +88,47 @@ class MetricsLogger:
         if console:
             print(console, flush=True)
 
+    def mark_resume(self, step: int) -> None:
+        """Writes a resume marker: records of later steps written before it belong to an abandoned attempt
+        (``read_metrics`` drops them)."""
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"event": "resume", "step": step, "time": time.time()}) + "\n")
+        self.jsonl.flush()
+
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
         self.jsonl = self.tb = None
+
+
+def read_metrics(path: Path) -> dict[int, dict]:
+    """step -> merged record of a ``metrics.jsonl`` (later records of a step override earlier keys).
+
+    A resume marker at step N discards what was read for steps after N: those steps were re-run after the
+    restart, and only the last run of each step counts. Lines that are not JSON (a torn last line after a
+    kill) are skipped with a warning.
+    """
+    steps: dict[int, dict] = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            print(f"warning: {path}:{n} is not JSON; skipped", file=sys.stderr)
+            continue
+        if "step" not in rec:
+            continue
+        step = int(rec["step"])
+        if rec.get("event") == "resume":
+            for s in [s for s in steps if s > step]:
+                del steps[s]
+            continue
+        steps.setdefault(step, {}).update(rec)
+    return steps
 
 
 def _json_float(v: Any) -> Any:
