@@ -1,0 +1,1 @@
+"""Studies: sweeps of runs, their collected tables, scaling-law fits and plots."""
