@@ -175,6 +175,7 @@ def test_seed001_table_i1_compute_optimal_and_z_test():
     z, p = z_test(0.5 + diff, var_gpt, 0.5, var_angpt)
     assert round(p, 3) == 0.073 and z == pytest.approx(1.7928, abs=1e-3)
     assert z_test(0.5 + 1.5 * diff, var_gpt, 0.5, var_angpt)[1] < 0.05
+    assert z_test(0.3, 0.0, 0.3, 0.0) == (0.0, 1.0) and z_test(0.3, 0.0, 0.2, 0.0) == (math.inf, 0.0)
 
 
 def hparam_rows(rng, sizes, grid, c_exp=-0.25, edge_size=None):

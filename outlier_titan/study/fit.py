@@ -191,7 +191,12 @@ def fit_power_law(x, y, *, irreducible: bool = False, bootstrap: int = 0, seed: 
 
 def z_test(a1: float, var1: float, a2: float, var2: float) -> tuple[float, float]:
     """Two-sided z-test of H0 ``a1 == a2`` from the two estimates' variances: ``(z, p)``."""
-    z = (a1 - a2) / math.sqrt(var1 + var2)
+    s, diff = var1 + var2, a1 - a2
+    if not s > 0:  # exact fits (e.g. synthetic data), or no variance at all
+        if math.isnan(s):
+            return float("nan"), float("nan")
+        return (0.0, 1.0) if diff == 0 else (math.copysign(math.inf, diff), 0.0)
+    z = diff / math.sqrt(s)
     return z, float(2 * stats.norm.sf(abs(z)))
 
 
@@ -354,7 +359,7 @@ def fit_table(path, *, loss: str = "best_val_loss", compute: str = "flops", para
         if not all(math.isfinite(v) and v > 0 for v in vals.values()):
             skipped["missing values"] += 1
             continue
-        groups.setdefault(r.get(family, "") if family else "all", []).append(vals)
+        groups.setdefault((r.get(family) or "(empty)") if family else "all", []).append(vals)
     used = sum(len(g) for g in groups.values())
     if not groups:
         raise UserError(f"{path}: no usable rows (status done, positive finite {loss}/{compute}/{params}/{tokens}); "
@@ -461,6 +466,12 @@ def to_markdown(res: FitResult) -> str:
     for name, f in j["families"].items():
         lines.append(f"| {name} | {_iv(f['n_opt']['N0'])} | {_iv(f['n_opt']['alpha_N'])} | "
                      f"{_iv(f['d_opt']['D0'])} | {_iv(f['d_opt']['alpha_D'])} |")
+    exact = [f"{name} {what}" for name, f in j["families"].items() for what in ("n_opt", "d_opt")
+             if f[what]["rmse_log"] < 1e-9]
+    if exact:
+        lines += ["", f"Exact fits ({', '.join(exact)}): the frontier points lie on one power law by construction "
+                  "(e.g. all at the same tokens per parameter), so the exponent is set by the sweep's design and "
+                  "its zero-width interval carries no information."]
     if res.ztests:
         lines += ["", "## Equal exponents (two-sided z-test)", "", "| a | b | exponent | abs diff | z | p |",
                   "|---|---|---|---|---|---|"]

@@ -99,7 +99,7 @@ def plot_hparam(res: FitResult, path: str | Path) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel(f"N ({res.columns['params']})")
     ax.set_ylabel(f"optimal {res.columns['hparam']}")
-    ax.set_title("hyperparameter optimum per size (hollow: not bracketed; 95% band)")
+    ax.set_title("optimum per size (hollow: not bracketed; 95% band)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
