@@ -146,6 +146,7 @@ def _fit_theta(lx: np.ndarray, ly: np.ndarray, irreducible: bool, want_cov: bool
         p0, bounds = [a0, b0, e0], ([-np.inf, -np.inf, 0.0], [np.inf, np.inf, ymin])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optimize.OptimizeWarning)
+        warnings.simplefilter("ignore", RuntimeWarning)
         theta, cov = optimize.curve_fit(f, lx, ly, p0=p0, bounds=bounds, maxfev=20000)
     if not want_cov or not np.all(np.isfinite(cov)):
         cov = None
@@ -158,8 +159,8 @@ def fit_power_law(x, y, *, irreducible: bool = False, bootstrap: int = 0, seed: 
 
     Needs at least ``p + 1`` points with distinct x (p = 2, or 3 with ``irreducible``) so that the residual
     variance, and with it an interval, exists. ``bootstrap=B > 0`` replaces the delta-method intervals by
-    percentiles of B refits on points resampled with replacement (resamples with fewer than p distinct x are
-    drawn again).
+    percentiles of B refits on points resampled with replacement (resamples with fewer than p distinct x, or
+    whose refit does not converge, are drawn again).
     """
     x = np.asarray(x, dtype=float)
     y = np.asarray(y, dtype=float)
@@ -171,19 +172,30 @@ def fit_power_law(x, y, *, irreducible: bool = False, bootstrap: int = 0, seed: 
                         f"{'an irreducible term ' if irreducible else ''}needs at least {p + 1}")
     x_ref = float(np.exp(np.log(x).mean()))
     lx, ly = np.log(x) - math.log(x_ref), np.log(y)
-    theta, cov = _fit_theta(lx, ly, irreducible, want_cov=True)
+    try:
+        theta, cov = _fit_theta(lx, ly, irreducible, want_cov=True)
+    except RuntimeError as e:  # curve_fit: no convergence
+        raise UserError(f"{what}: the fit did not converge ({str(e).splitlines()[0]})"
+                        + ("; try without --irreducible" if irreducible else "")) from None
     law = PowerLaw(coef=float(np.exp(theta[0] - theta[1] * math.log(x_ref))), exponent=float(theta[1]),
                    offset=float(theta[2]) if irreducible else 0.0, irreducible=irreducible, cov=cov,
                    dof=len(x) - p, x_ref=x_ref, n=len(x))
     law.rmse_log = float(np.sqrt(np.mean((law._log_model(x, theta) - ly) ** 2)))
     if bootstrap > 0:
         rng = np.random.default_rng(seed)
-        reps = []
+        reps, tries = [], 0
         while len(reps) < bootstrap:
+            tries += 1
+            if tries > 20 * bootstrap:
+                raise UserError(f"{what}: only {len(reps)} of {bootstrap} bootstrap refits succeeded in {tries - 1} "
+                                "resamples; use the delta method (no --bootstrap) or more points")
             idx = rng.integers(0, len(x), len(x))
             if len(np.unique(x[idx])) < p:
                 continue
-            th, _ = _fit_theta(lx[idx], ly[idx], irreducible, want_cov=False)
+            try:
+                th, _ = _fit_theta(lx[idx], ly[idx], irreducible, want_cov=False)
+            except RuntimeError:
+                continue
             reps.append(th)
         law.boot = np.array(reps)
     return law
