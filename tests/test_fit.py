@@ -140,8 +140,8 @@ def test_sweep_table_recovers_compute_optimal_laws(tmp_path):
     table = write_table(tmp_path / "results.csv", rows)
     res = fit_table(table)
     assert res.rows_used == 117 and res.rows_skipped == {"not done": 1, "missing values": 1}
-    assert res.bins == default_bins(117) == 39
     (fam,) = res.families
+    assert fam.bins == default_bins(117) == 39
     assert len(fam.front) == 13
     for law, truth in ((fam.loss_law, -ALPHA), (fam.n_opt, ALPHA_N), (fam.d_opt, ALPHA_D)):
         assert abs(law.exponent / truth - 1) < 0.02, (law.exponent, truth)
@@ -233,7 +233,7 @@ def test_cli_end_to_end(tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_errors_exit_2(tmp_path, capsys):
+def test_cli_errors_exit_2_and_hparam_plot(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("script_fit_scaling", REPO / "scripts" / "fit_scaling.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -249,3 +249,8 @@ def test_cli_errors_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and msg in err and "\n" not in err, err
     assert not (tmp_path / "out").exists()
+    grid = 0.01 * 2.0 ** np.arange(-3, 4)
+    hp = write_table(tmp_path / "lr.csv", hparam_rows(np.random.default_rng(8), list(np.logspace(6, 8, 4)), grid))
+    assert main([str(hp), "--hparam", "optimizer.lr", "--out", str(tmp_path / "lr")]) == 0
+    assert (tmp_path / "lr" / "hparam_vs_params.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "lr" / "fit.json").read_text())["families"]["all"]["hparam"]["law"]

@@ -273,6 +273,7 @@ class FamilyFit:
     params: np.ndarray
     tokens: np.ndarray
     front: np.ndarray
+    bins: int
     loss_law: PowerLaw
     n_opt: PowerLaw
     d_opt: PowerLaw
@@ -286,7 +287,7 @@ class FitResult:
 
     table: str
     columns: dict[str, str | None]
-    bins: int
+    bins: int | None
     rows_used: int
     rows_skipped: dict[str, int]
     irreducible: bool
@@ -378,7 +379,7 @@ def fit_table(path, *, loss: str = "best_val_loss", compute: str = "flops", para
                         f"skipped {skipped['not done']} not done, {skipped['missing values']} with missing values")
     result = FitResult(table=str(path), columns={"loss": loss, "compute": compute, "params": params,
                                                  "tokens": tokens, "family": family, "hparam": hparam},
-                       bins=0, rows_used=used, rows_skipped=skipped, irreducible=irreducible, bootstrap=bootstrap)
+                       bins=bins, rows_used=used, rows_skipped=skipped, irreducible=irreducible, bootstrap=bootstrap)
     need = 4 if irreducible else 3
     for name in sorted(groups):
         g = groups[name]
@@ -387,7 +388,6 @@ def fit_table(path, *, loss: str = "best_val_loss", compute: str = "flops", para
         n = np.array([v[params] for v in g])
         d = np.array([v[tokens] for v in g])
         k = bins or default_bins(len(g))
-        result.bins = max(result.bins, k)
         front = frontier(c, lo, k)
         if len(front) < need:
             raise UserError(f"family '{name}': {len(g)} points gave {len(front)} non-empty compute bins of {k}; "
@@ -397,7 +397,7 @@ def fit_table(path, *, loss: str = "best_val_loss", compute: str = "flops", para
                             what=f"loss vs compute ({name})")
         n_law = fit_power_law(fc, n[front], bootstrap=bootstrap, seed=seed, what=f"N_opt ({name})")
         d_law = fit_power_law(fc, d[front], bootstrap=bootstrap, seed=seed, what=f"D_opt ({name})")
-        fam = FamilyFit(name, c, lo, n, d, front, law, n_law, d_law)
+        fam = FamilyFit(name, c, lo, n, d, front, k, law, n_law, d_law)
         if hparam:
             fam.hparam, fam.hparam_law = _fit_hparam(name, [v[hparam] for v in g], n, d, lo,
                                                      bootstrap=bootstrap, seed=seed)
@@ -434,7 +434,7 @@ def to_json(res: FitResult) -> dict:
     """A JSON-ready summary: fitted constants with their 95% intervals per family, frontier points, z-tests."""
     fams = {}
     for f in res.families:
-        d = {"points": int(len(f.compute)),
+        d = {"points": int(len(f.compute)), "bins": f.bins,
              "frontier": [{"compute": float(f.compute[i]), "loss": float(f.loss[i]), "params": float(f.params[i]),
                            "tokens": float(f.tokens[i])} for i in f.front],
              "loss": _law_dict(f.loss_law, "A0", "alpha", negate=True),
@@ -443,7 +443,8 @@ def to_json(res: FitResult) -> dict:
         if f.hparam is not None:
             d["hparam"] = dict(f.hparam, law=_law_dict(f.hparam_law, "h0", "exponent"))
         fams[f.name] = d
-    return {"table": res.table, "columns": res.columns, "bins": res.bins, "rows_used": res.rows_used,
+    return {"table": res.table, "columns": res.columns,
+            "bins": res.bins if res.bins else f"default: max({MIN_BINS}, points // 3) per family", "rows_used": res.rows_used,
             "rows_skipped": res.rows_skipped, "form": "E + A0*C^-alpha" if res.irreducible else "A0*C^-alpha",
             "intervals": f"bootstrap ({res.bootstrap} resamples, percentiles)" if res.bootstrap
             else "delta method, t quantile with n-p dof", "level": LEVEL, "families": fams, "ztests": res.ztests}
@@ -464,14 +465,14 @@ def to_markdown(res: FitResult) -> str:
     lines = [f"# Scaling-law fit of `{res.table}`", "",
              f"Loss `{c['loss']}` against compute `{c['compute']}`; {res.rows_used} rows used "
              f"({res.rows_skipped['not done']} not done, {res.rows_skipped['missing values']} with missing values "
-             f"skipped); minimum loss per log-spaced compute bin ({res.bins} bins); fits in log space; "
+             f"skipped); minimum loss per log-spaced compute bin (bins per family below); fits in log space; "
              f"95% intervals: {j['intervals']}.", "",
              f"## Loss: L(C) = {j['form'].replace('*', '·')}", ""]
-    head = "| family | points | frontier | A0 | alpha |" + (" E |" if res.irreducible else "") + " rmse (log) |"
+    head = "| family | points | bins | frontier | A0 | alpha |" + (" E |" if res.irreducible else "") + " rmse (log) |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for name, f in j["families"].items():
         lo = f["loss"]
-        lines.append(f"| {name} | {f['points']} | {len(f['frontier'])} | {_iv(lo['A0'])} | {_iv(lo['alpha'])} |"
+        lines.append(f"| {name} | {f['points']} | {f['bins']} | {len(f['frontier'])} | {_iv(lo['A0'])} | {_iv(lo['alpha'])} |"
                      + (f" {_iv(lo['E'])} |" if res.irreducible else "") + f" {lo['rmse_log']:.3g} |")
     lines += ["", "## Compute-optimal allocation: N_opt(C) = N0·C^alpha_N, D_opt(C) = D0·C^alpha_D", "",
               "| family | N0 | alpha_N | D0 | alpha_D |", "|---|---|---|---|---|"]
