@@ -1,10 +1,10 @@
 """Scaling-law fits on a collected sweep table (seed 001's method, §9 of reference/seed_angpt.md).
 
 Pipeline (``fit_table``): the ``done`` rows of each family → minimum loss per log-spaced compute bin (the
-frontier) → ``L(C) = A0·C^(−α)`` (or ``E + A0·C^(−α)``) → ``N_opt(C) = N0·C^(α_N)`` and ``D_opt(C) = D0·C^(α_D)``
-through the frontier points' sizes and token counts → 95% intervals (delta method, or bootstrap) → z-tests of
-equal exponents between families → optionally the per-size optimum of one hyperparameter column and a power law
-in N through it.
+frontier) → ``L(C) = A0·C^(−α)`` (or ``E + A0·C^(−α)``) → ``N_opt(C) = N0·C^(α_N)`` and
+``D_opt(C) = D0·C^(α_D)`` through the frontier points' sizes and token counts → 95% intervals (delta method,
+or bootstrap) → z-tests of equal exponents between families → optionally the per-size optimum of one
+hyperparameter column and a power law in N through it.
 
 Every power law is fitted to ``log y`` (least squares in log space): the noise of losses, sizes and learning
 rates is relative rather than additive, the pure power law becomes a straight line (a unique optimum and an
@@ -444,7 +444,8 @@ def to_json(res: FitResult) -> dict:
             d["hparam"] = dict(f.hparam, law=_law_dict(f.hparam_law, "h0", "exponent"))
         fams[f.name] = d
     return {"table": res.table, "columns": res.columns,
-            "bins": res.bins if res.bins else f"default: max({MIN_BINS}, points // 3) per family", "rows_used": res.rows_used,
+            "bins": res.bins if res.bins else f"default: max({MIN_BINS}, points // 3) per family",
+            "rows_used": res.rows_used,
             "rows_skipped": res.rows_skipped, "form": "E + A0*C^-alpha" if res.irreducible else "A0*C^-alpha",
             "intervals": f"bootstrap ({res.bootstrap} resamples, percentiles)" if res.bootstrap
             else "delta method, t quantile with n-p dof", "level": LEVEL, "families": fams, "ztests": res.ztests}
@@ -472,7 +473,8 @@ def to_markdown(res: FitResult) -> str:
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for name, f in j["families"].items():
         lo = f["loss"]
-        lines.append(f"| {name} | {f['points']} | {f['bins']} | {len(f['frontier'])} | {_iv(lo['A0'])} | {_iv(lo['alpha'])} |"
+        lines.append(f"| {name} | {f['points']} | {f['bins']} | {len(f['frontier'])} | {_iv(lo['A0'])} | "
+                     f"{_iv(lo['alpha'])} |"
                      + (f" {_iv(lo['E'])} |" if res.irreducible else "") + f" {lo['rmse_log']:.3g} |")
     lines += ["", "## Compute-optimal allocation: N_opt(C) = N0·C^alpha_N, D_opt(C) = D0·C^alpha_D", "",
               "| family | N0 | alpha_N | D0 | alpha_D |", "|---|---|---|---|---|"]
