@@ -26,6 +26,10 @@ from outlier_titan.errors import UserError
 
 LEVEL = 0.95
 MIN_BINS = 3
+# Outcome columns of the collected table (sweep.py collect); every other column but point/status/seed describes
+# the configuration, and rows equal in all of those are repeats (seeds) of one configuration.
+MEASURED = ("final_val_loss", "best_val_loss", "final_train_loss", "wall_s", "tokens_per_s")
+MEASURED_PREFIXES = ("final_", "peak_", "ptq_")
 
 
 @dataclass
@@ -289,6 +293,7 @@ class FitResult:
     columns: dict[str, str | None]
     bins: int | None
     rows_used: int
+    configs: int
     rows_skipped: dict[str, int]
     irreducible: bool
     bootstrap: int
@@ -362,31 +367,39 @@ def fit_table(path, *, loss: str = "best_val_loss", compute: str = "flops", para
         raise UserError(f"--bins must be at least {MIN_BINS} (a power law with an interval needs 3 points), "
                         f"got {bins}")
     skipped = {"not done": 0, "missing values": 0}
-    groups: dict[str, list[dict]] = {}
+    used_cols = {compute, params, tokens, family, hparam} - {None}
+    config_cols = [h for h in header if h in used_cols or (h not in ("point", "status", "seed", loss)
+                                                           and h not in MEASURED
+                                                           and not h.startswith(MEASURED_PREFIXES))]
+    repeats: dict[tuple, list[float]] = {}
     for r in rows:
         if "status" in header and r.get("status") != "done":
             skipped["not done"] += 1
             continue
-        cols = [loss, compute, params, tokens] + ([hparam] if hparam else [])
-        vals = {c: _num(r.get(c)) for c in cols}
-        if not all(math.isfinite(v) and v > 0 for v in vals.values()):
+        vals = [_num(r.get(c)) for c in (loss, compute, params, tokens)]
+        if not all(math.isfinite(v) and v > 0 for v in vals):
             skipped["missing values"] += 1
             continue
-        groups.setdefault((r.get(family) or "(empty)") if family else "all", []).append(vals)
-    used = sum(len(g) for g in groups.values())
+        # Seeds of one configuration are averaged: the minimum over seeds would bias the frontier low.
+        repeats.setdefault(tuple(r.get(c) for c in config_cols), []).append(vals[0])
+    groups: dict[str, list[dict]] = {}
+    for key, losses in repeats.items():
+        r = dict(zip(config_cols, key))
+        v = {"loss": float(np.mean(losses)), "compute": _num(r[compute]), "params": _num(r[params]),
+             "tokens": _num(r[tokens]), "hparam": _num(r[hparam]) if hparam else float("nan"),
+             "repeats": len(losses)}
+        groups.setdefault((r.get(family) or "(empty)") if family else "all", []).append(v)
+    used = sum(v["repeats"] for g in groups.values() for v in g)
     if not groups:
         raise UserError(f"{path}: no usable rows (status done, positive finite {loss}/{compute}/{params}/{tokens}); "
                         f"skipped {skipped['not done']} not done, {skipped['missing values']} with missing values")
     result = FitResult(table=str(path), columns={"loss": loss, "compute": compute, "params": params,
                                                  "tokens": tokens, "family": family, "hparam": hparam},
-                       bins=bins, rows_used=used, rows_skipped=skipped, irreducible=irreducible, bootstrap=bootstrap)
+                       bins=bins, rows_used=used, configs=len(repeats), rows_skipped=skipped, irreducible=irreducible, bootstrap=bootstrap)
     need = 4 if irreducible else 3
     for name in sorted(groups):
         g = groups[name]
-        c = np.array([v[compute] for v in g])
-        lo = np.array([v[loss] for v in g])
-        n = np.array([v[params] for v in g])
-        d = np.array([v[tokens] for v in g])
+        c, lo, n, d = (np.array([v[k] for v in g]) for k in ("compute", "loss", "params", "tokens"))
         k = bins or default_bins(len(g))
         front = frontier(c, lo, k)
         if len(front) < need:
@@ -399,8 +412,13 @@ def fit_table(path, *, loss: str = "best_val_loss", compute: str = "flops", para
         d_law = fit_power_law(fc, d[front], bootstrap=bootstrap, seed=seed, what=f"D_opt ({name})")
         fam = FamilyFit(name, c, lo, n, d, front, k, law, n_law, d_law)
         if hparam:
-            fam.hparam, fam.hparam_law = _fit_hparam(name, [v[hparam] for v in g], n, d, lo,
-                                                     bootstrap=bootstrap, seed=seed)
+            hp = np.array([v["hparam"] for v in g])
+            ok = np.isfinite(hp) & (hp > 0)
+            if not ok.any():
+                raise UserError(f"--hparam {hparam}: family '{name}' has no positive values (the optimum is "
+                                "interpolated in log space)")
+            fam.hparam, fam.hparam_law = _fit_hparam(name, hp[ok], n[ok], d[ok], lo[ok], bootstrap=bootstrap,
+                                                     seed=seed)
         result.families.append(fam)
     fams = result.families
     for i in range(len(fams)):
@@ -445,7 +463,7 @@ def to_json(res: FitResult) -> dict:
         fams[f.name] = d
     return {"table": res.table, "columns": res.columns,
             "bins": res.bins if res.bins else f"default: max({MIN_BINS}, points // 3) per family",
-            "rows_used": res.rows_used,
+            "rows_used": res.rows_used, "configurations": res.configs,
             "rows_skipped": res.rows_skipped, "form": "E + A0*C^-alpha" if res.irreducible else "A0*C^-alpha",
             "intervals": f"bootstrap ({res.bootstrap} resamples, percentiles)" if res.bootstrap
             else "delta method, t quantile with n-p dof", "level": LEVEL, "families": fams, "ztests": res.ztests}
@@ -466,7 +484,8 @@ def to_markdown(res: FitResult) -> str:
     lines = [f"# Scaling-law fit of `{res.table}`", "",
              f"Loss `{c['loss']}` against compute `{c['compute']}`; {res.rows_used} rows used "
              f"({res.rows_skipped['not done']} not done, {res.rows_skipped['missing values']} with missing values "
-             f"skipped); minimum loss per log-spaced compute bin (bins per family below); fits in log space; "
+             f"skipped), {res.configs} configurations after averaging seeds; minimum loss per log-spaced compute "
+             f"bin (bins per family below); fits in log space; "
              f"95% intervals: {j['intervals']}.", "",
              f"## Loss: L(C) = {j['form'].replace('*', '·')}", ""]
     head = "| family | points | bins | frontier | A0 | alpha |" + (" E |" if res.irreducible else "") + " rmse (log) |"
