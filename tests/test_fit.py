@@ -15,7 +15,8 @@ import pytest
 from scipy import stats
 
 from outlier_titan.errors import UserError
-from outlier_titan.study.fit import PowerLaw, default_bins, fit_power_law, fit_table, hparam_optimum, z_test
+from outlier_titan.study.fit import (PowerLaw, default_bins, fit_power_law, fit_table, frontier, hparam_optimum,
+                                     z_test)
 
 REPO = Path(__file__).resolve().parents[1]
 COLUMNS = ["point", "status", "model.name", "model.dim", "optimizer.lr", "seed", "params", "flops_per_token",
@@ -164,7 +165,13 @@ def test_seeds_are_averaged(tmp_path):
     assert fam.compute[fam.front[0]] == rows0[0]["flops"] and fam.params[fam.front[0]] == rows0[0]["params"]
 
 
-def test_default_bins_pool_points():
+def test_frontier_bins_and_default_count():
+    # ln C spans 0 … ln 200 in three equal bins: [1, 5.8), [5.8, 34), [34, 200].
+    c = [1, 2, 10, 20, 100, 200, 150]
+    loss = [5, 4, 3, 3.5, 2, 1, 0.5]
+    assert frontier(c, loss, 3).tolist() == [1, 2, 6]
+    # Six bins (edges 1, 2.4, 5.8, 14, 34, 83, 200): two are empty and dropped; 100, 150, 200 share the last.
+    assert frontier(c, loss, 6).tolist() == [1, 2, 3, 6]
     assert [default_bins(n) for n in (3, 6, 9, 30, 3000)] == [3, 3, 3, 10, 1000]
 
 
