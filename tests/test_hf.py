@@ -1,0 +1,202 @@
+"""Hugging Face interop: import (logits equal transformers'), export (transformers loads it), bad folders."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from outlier_titan.checkpoint.export import export_model, import_hf, load_pretrained  # noqa: E402
+from outlier_titan.errors import UserError  # noqa: E402
+from outlier_titan.models.hf_adapters import read_hf_tensors  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 4096  # the embedded tokenizer's vocabulary, so imported models can read the embedded corpus
+
+
+def tiny_gpt2(folder: Path, tie: bool = True, **kw) -> Path:
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                  tie_word_embeddings=tie, **kw)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    _randomize(model)
+    model.save_pretrained(folder)
+    return folder
+
+
+def tiny_llama(folder: Path, tie: bool = False, **kw) -> Path:
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   rms_norm_eps=1e-6, tie_word_embeddings=tie, **kw)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    _randomize(model)
+    model.save_pretrained(folder)
+    return folder
+
+
+def _randomize(model) -> None:
+    # Norm gains and biases start at 1/0; random values make a swapped or mistransposed weight visible.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.ndim == 1 and p.abs().sum() == p.numel() else 0.0))
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    rot = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rot is not None and dtype == torch.float64:
+        _float64_rope(rot)
+        for m in model.modules():
+            if type(m).__name__ == "LlamaRMSNorm":
+                _float64_rmsnorm(m)
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def _float64_rope(rot) -> None:
+    """HF computes RoPE tables in float32 whatever the model dtype; in float64 the same formula, for 1e-10."""
+    dim = rot.inv_freq.numel() * 2
+    inv = 1.0 / (rot.config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+
+    def forward(x, position_ids):
+        freqs = position_ids[..., None].to(torch.float64) * inv
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    rot.forward = forward
+
+
+def _float64_rmsnorm(norm) -> None:
+    """HF's RMSNorm also computes in float32 whatever the dtype; the same formula in the input's dtype."""
+
+    def forward(x):
+        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+    norm.forward = forward
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+def test_import_logits_match_transformers(tmp_path, family, dtype, tol):
+    folder = (tiny_gpt2 if family == "gpt2" else tiny_llama)(tmp_path / family)
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    ours, model_cfg = import_hf(folder, dtype=dtype)
+    if family == "llama":
+        assert model_cfg.n_kv_heads == 2 and model_cfg.n_heads == 4 and model_cfg.pos_encoding == "rope"
+    with torch.no_grad():
+        got = ours(tokens)
+    want = hf_logits(folder, tokens, dtype)
+    assert got.dtype == dtype
+    err = (got - want).abs().max().item()
+    assert err < tol * max(1.0, want.abs().max().item()), err
+
+
+@pytest.mark.parametrize("family,tie", [("gpt2", False), ("llama", True)])
+def test_import_other_head_tying(tmp_path, family, tie):
+    folder = (tiny_gpt2 if family == "gpt2" else tiny_llama)(tmp_path / family, tie=tie)
+    tokens = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(2))
+    ours, model_cfg = import_hf(folder, dtype=torch.float64)
+    assert model_cfg.tie_embeddings is tie
+    with torch.no_grad():
+        assert torch.allclose(ours(tokens), hf_logits(folder, tokens, torch.float64), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_export_of_import_round_trips_through_transformers(tmp_path, family):
+    folder = (tiny_gpt2 if family == "gpt2" else tiny_llama)(tmp_path / family)
+    fmt, files = export_model(folder, tmp_path / "out", "hf")
+    assert fmt == "hf"
+    original, exported = read_hf_tensors(folder), read_hf_tensors(tmp_path / "out")
+    assert set(exported) <= set(original)
+    for k, v in exported.items():
+        assert torch.equal(v, original[k]), k
+    tokens = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(hf_logits(tmp_path / "out", tokens, torch.float32),
+                          hf_logits(folder, tokens, torch.float32), rtol=0, atol=1e-5)
+
+
+def test_sharded_hf_folder_is_read(tmp_path):
+    folder = tiny_llama(tmp_path / "one")
+    model = transformers.LlamaForCausalLM.from_pretrained(folder)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    a, _ = import_hf(folder)
+    b, _ = import_hf(tmp_path / "sharded")
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+
+
+# ---------------------------------------------------------------- bad inputs
+
+def _run_export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def _one_line_exit2(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def _export_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """scripts/export.py's main in this process (a subprocess per case costs a torch import each)."""
+    from tests.test_evaluate import load_script
+
+    capsys.readouterr()  # drop earlier output (transformers' progress bars)
+    code = load_script("export").main(list(args))
+    return subprocess.CompletedProcess(args, code, *capsys.readouterr())
+
+
+def test_bad_hf_folders_are_one_line_errors(tmp_path, capsys):
+    folder = tiny_gpt2(tmp_path / "gpt2")
+    cfg = json.loads((folder / "config.json").read_text())
+
+    unsupported = tmp_path / "unsupported"
+    unsupported.mkdir()
+    (unsupported / "config.json").write_text(json.dumps({**cfg, "activation_function": "gelu"}))
+    (unsupported / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    _one_line_exit2(_run_export(str(unsupported), "--out", str(tmp_path / "o1")), "activation_function", "'gelu'")
+
+    arch = tmp_path / "arch"
+    arch.mkdir()
+    (arch / "config.json").write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
+    _one_line_exit2(_export_main(capsys, str(arch), "--out", str(tmp_path / "o2")), "model_type = 'mistral'")
+
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    (missing / "config.json").write_text(json.dumps(cfg))
+    _one_line_exit2(_export_main(capsys, str(missing), "--out", str(tmp_path / "o3")), "no model.safetensors")
+
+    from safetensors.torch import save_file
+    tensors = read_hf_tensors(folder)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v for k, v in tensors.items() if "h.1.mlp" not in k}, str(partial / "model.safetensors"))
+    _one_line_exit2(_export_main(capsys, str(partial), "--out", str(tmp_path / "o4")), "missing", "h.1.mlp")
+
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    (shape / "config.json").write_text(json.dumps({**cfg, "n_inner": 64}))
+    (shape / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    _one_line_exit2(_export_main(capsys, str(shape), "--out", str(tmp_path / "o5")), "shape", "mlp.c_fc")
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
+
+
+def test_hf_folder_without_tokenizer_needs_one(tmp_path):
+    folder = tiny_gpt2(tmp_path / "gpt2")
+    with pytest.raises(UserError, match="--tokenizer"):
+        load_pretrained(folder)
+    model, cfg, tok = load_pretrained(folder, tokenizer="embedded")
+    assert tok.vocab_size == VOCAB and cfg.model.dim == 32
