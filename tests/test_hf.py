@@ -200,3 +200,77 @@ def test_hf_folder_without_tokenizer_needs_one(tmp_path):
         load_pretrained(folder)
     model, cfg, tok = load_pretrained(folder, tokenizer="embedded")
     assert tok.vocab_size == VOCAB and cfg.model.dim == 32
+
+
+# ---------------------------------------------------------------- export of our checkpoints
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("flavor,nproc,layout", [("debug_llama", 4, ["--parallelism.tp", "2"]), ("debug", 2, [])])
+def test_export_of_a_distributed_checkpoint_loads_in_transformers(tmp_path, flavor, nproc, layout):
+    from tests.launch import TINY, train
+
+    run = train(tmp_path, *TINY, "--training.steps", "3", "--checkpoint.enable", "true", "--model.flavor", flavor,
+                "--model.n_layers", "2", "--training.seq_len", "32", *layout, nproc=nproc).check()
+    fmt, _ = export_model(run.run_dir, tmp_path / "hf", "auto")
+    assert fmt == "hf" and (tmp_path / "hf" / "tokenizer.tiktoken").is_file()
+    ours, _, _ = load_pretrained(run.run_dir)
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ours(tokens)
+    got = hf_logits(tmp_path / "hf", tokens, torch.float32)
+    assert (got - want).abs().max().item() < 1e-5
+    # The export reads back into our stack with its own tokenizer, and as a run's starting point.
+    again, _, tok = load_pretrained(tmp_path / "hf")
+    assert tok.vocab_size == VOCAB
+    with torch.no_grad():
+        assert torch.allclose(again(tokens), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def _save_dcp_checkpoint(run_dir: Path, overrides: list[str]) -> torch.nn.Module:
+    """A world-size-1 DCP checkpoint of a freshly initialised model, laid out as a run's (config.toml beside it)."""
+    import torch.distributed.checkpoint as dcp
+
+    from outlier_titan.config.manager import parse_args, to_toml
+    from outlier_titan.data import build_tokenizer
+    from outlier_titan.models.init import Initializer
+    from outlier_titan.models.registry import build_meta_model
+
+    cfg = parse_args(["--config", str(REPO / "train_configs" / "debug.toml"), "--training.seq_len", "32",
+                      "--model.n_layers", "2", *overrides])
+    spec, _, model = build_meta_model(cfg.model, build_tokenizer(cfg.data.tokenizer).vocab_size, 32)
+    model.to_empty(device="cpu")
+    model.init_weights(Initializer(7, "cpu"))
+    if spec.post_step is not None:
+        spec.post_step(model)
+    ckpt = run_dir / "checkpoints" / "step-1"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    return model.eval()
+
+
+@pytest.mark.parametrize("spec", ["op", "angpt", "ngpt", "softmax1"])
+def test_specs_hf_lacks_export_to_safetensors_and_round_trip(tmp_path, spec):
+    overrides = ["--model.softmax", "softmax1"] if spec == "softmax1" else ["--model.name", spec]
+    model = _save_dcp_checkpoint(tmp_path / "run", overrides)
+    fmt, files = export_model(tmp_path / "run", tmp_path / "out", "auto")
+    assert fmt == "safetensors" and {f.name for f in files} == {"model.safetensors", "config.toml",
+                                                               "tokenizer.tiktoken"}
+    back, cfg, _ = load_pretrained(tmp_path / "out")
+    assert cfg.model.name == ("pre_ln" if spec == "softmax1" else spec)
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(back(tokens), model(tokens))
+
+
+def test_export_to_hf_of_a_model_hf_lacks_is_refused(tmp_path):
+    _save_dcp_checkpoint(tmp_path / "run", ["--model.softmax", "softmax1"])
+    with pytest.raises(UserError, match="model.softmax = 'softmax1'.*--format safetensors"):
+        export_model(tmp_path / "run", tmp_path / "out", "hf")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(UserError, match="not empty"):
+        export_model(tmp_path / "run", tmp_path / "out", "safetensors")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "x"
