@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -227,7 +228,6 @@ def test_export_of_a_distributed_checkpoint_loads_in_transformers(tmp_path, flav
         assert torch.allclose(again(tokens), want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def _save_dcp_checkpoint(run_dir: Path, overrides: list[str]) -> torch.nn.Module:
     """A world-size-1 DCP checkpoint of a freshly initialised model, laid out as a run's (config.toml beside it)."""
     import torch.distributed.checkpoint as dcp
@@ -245,7 +245,9 @@ def _save_dcp_checkpoint(run_dir: Path, overrides: list[str]) -> torch.nn.Module
     if spec.post_step is not None:
         spec.post_step(model)
     ckpt = run_dir / "checkpoints" / "step-1"
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
+    with warnings.catch_warnings():  # one process is the intent here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     return model.eval()
 
@@ -274,3 +276,36 @@ def test_export_to_hf_of_a_model_hf_lacks_is_refused(tmp_path):
     with pytest.raises(UserError, match="not empty"):
         export_model(tmp_path / "run", tmp_path / "out", "safetensors")
     assert (tmp_path / "out" / "keep.txt").read_text() == "x"
+
+
+def _corpus(folder: Path, n_docs: int = 6, words: int = 3000) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    vocab = ["alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "theta", "\n", "def", "x = 1"]
+    for i in range(n_docs):
+        idx = torch.randint(0, len(vocab), (words,), generator=g).tolist()
+        (folder / f"doc{i}.txt").write_text(" ".join(vocab[j] for j in idx))
+    return folder
+
+
+def test_evaluate_hf_writes_the_full_report(tmp_path, capsys):
+    from outlier_titan.quant.ptq import SCHEMES
+    from tests.test_evaluate import load_script
+
+    folder = tiny_llama(tmp_path / "llama")
+    corpus = _corpus(tmp_path / "corpus")
+    capsys.readouterr()
+    rc = load_script("evaluate").main(["--hf", str(folder), "--tokenizer", "embedded", "--data", str(corpus),
+                                       "--tokens", "128", "--batch-size", "2", "--seq-len", "32",
+                                       "--calib-batches", "1", "--calib-seeds", "2", "--device", "cpu"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    report = json.loads((folder / "eval" / "model.json").read_text())
+    assert [e["scheme"] for e in report["schemes"]] == list(SCHEMES)
+    assert report["tokens"] == 128 and report["seq_len"] == 32
+    assert "outliers/kurtosis_neuron_rms" in report["probe"] and "outliers/first_token_argmax_share" in report["probe"]
+    assert (folder / "eval" / "model.md").read_text() in out.out
+    assert (folder / "eval" / "model.attention_map.png").is_file()
+    assert (folder / "eval" / "model.hidden_magnitude.png").is_file()
+    assert load_script("evaluate").main(["--hf", str(folder)]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
