@@ -309,3 +309,31 @@ def test_evaluate_hf_writes_the_full_report(tmp_path, capsys):
     assert (folder / "eval" / "model.hidden_magnitude.png").is_file()
     assert load_script("evaluate").main(["--hf", str(folder)]) == 2
     assert "--tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.dist
+def test_training_starts_from_an_imported_model(tmp_path):
+    """train.py on 2 FSDP ranks with checkpoint.initial_load_path = an HF folder: the model shape comes from the
+    folder and the step-1 loss (before any update) is the imported model's loss on the same first batch."""
+    import torch.nn.functional as F
+
+    from outlier_titan.config.manager import parse_args
+    from outlier_titan.data import build_dataloader, build_tokenizer
+    from tests.launch import TINY, train
+
+    folder = tiny_llama(tmp_path / "llama")
+    corpus = _corpus(tmp_path / "corpus")
+    data = ["--data.source", str(corpus), "--data.cache_dir", str(tmp_path / "cache")]
+    run = train(tmp_path, *TINY, "--training.steps", "2", "--training.seq_len", "32", *data,
+                "--checkpoint.initial_load_path", str(folder), nproc=2).check()
+    saved = parse_args(["--config", str(run.run_dir / "config.toml")])
+    assert (saved.model.dim, saved.model.n_kv_heads, saved.model.mlp) == (32, 2, "swiglu")
+
+    model, _ = import_hf(folder)
+    cfg = parse_args(["--config", str(REPO / "train_configs" / "debug.toml"), *data])
+    loader = build_dataloader(cfg.data, build_tokenizer("embedded"), seq_len=32, global_batch_size=8,
+                              micro_batch_size=8, dp_rank=0, dp_degree=1, split="train", seed=0)
+    inputs, labels = next(iter(loader))
+    with torch.no_grad():
+        want = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).item()
+    assert run.losses[1] == pytest.approx(want, rel=1e-5)

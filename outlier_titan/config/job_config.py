@@ -158,6 +158,9 @@ class Checkpoint:
     interval: int = opt(100, "Save every N steps (and at the last step).")
     keep_latest_k: int = opt(3, "Keep this many newest checkpoints (0 = keep all).")
     load_step: int = opt(-1, "Resume from this step (-1 = newest complete checkpoint, 0 = do not resume).")
+    initial_load_path: str = opt("", "Start from this model instead of a random init: an HF GPT-2/Llama folder or "
+                                     "an export of scripts/export.py; its [model] replaces the config's. A "
+                                     "checkpoint of the run itself still wins on resume.")
 
 
 @dataclass
