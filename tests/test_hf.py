@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -337,3 +339,66 @@ def test_training_starts_from_an_imported_model(tmp_path):
     with torch.no_grad():
         want = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).item()
     assert run.losses[1] == pytest.approx(want, rel=1e-5)
+
+
+# ---------------------------------------------------------------- pre-tokenized shards
+
+def _many_docs(folder: Path) -> Path:
+    """A multi-file corpus: two jsonl files of many documents and a few txt files."""
+    _corpus(folder, n_docs=4, words=800)
+    g = torch.Generator().manual_seed(1)
+    for name in ("a.jsonl", "sub/b.jsonl"):
+        (folder / name).parent.mkdir(exist_ok=True)
+        lines = [json.dumps({"text": " ".join(["w%d" % i for i in torch.randint(0, 50, (40,), generator=g)])})
+                 for _ in range(150)]
+        (folder / name).write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_shards_hold_the_raw_token_stream_and_check_the_tokenizer(tmp_path):
+    from outlier_titan.config.job_config import Data
+    from outlier_titan.data import build_dataloader, build_tokenizer
+    from outlier_titan.data.loader import token_cache
+    from outlier_titan.data.pretokenized import open_split, pretokenize
+    from outlier_titan.data.sources import resolve_source
+    from outlier_titan.errors import DataError
+
+    corpus = _many_docs(tmp_path / "corpus")
+    manifest = pretokenize(str(corpus), "embedded", tmp_path / "shards", workers=2, shard_tokens=4000,
+                           progress=False)
+    tok = build_tokenizer("embedded")
+    for split in ("train", "validation"):
+        raw, _ = token_cache(resolve_source(str(corpus), split), tok, tmp_path / "cache")
+        raw = np.load(raw)
+        shards, _ = open_split(tmp_path / "shards", split, tok)
+        assert np.array_equal(shards[0:len(shards)], raw)
+        assert np.array_equal(shards[3990:4017], raw[3990:4017])  # train: a slice across a shard boundary
+        entry = manifest["splits"][split]
+        assert entry["tokens"] == len(raw) == sum(s["tokens"] for s in entry["shards"])
+    assert len(manifest["splits"]["train"]["shards"]) > 2 and manifest["splits"]["train"]["documents"] > 300
+
+    other = tmp_path / "bytes.tiktoken"  # a valid BPE file with no merges: another tokenizer
+    other.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+    with pytest.raises(DataError, match=r"tokenized with 'embedded'.*set data.tokenizer"):
+        build_dataloader(Data(source=str(tmp_path / "shards")), build_tokenizer(str(other)), seq_len=16,
+                         global_batch_size=2, micro_batch_size=2, dp_rank=0, dp_degree=1)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_shards_train_to_the_same_losses_as_raw_files(tmp_path):
+    from tests.launch import TINY, assert_losses_close, train
+
+    corpus = _many_docs(tmp_path / "corpus")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "pretokenize.py"), str(corpus), "--tokenizer",
+                           "embedded", "--out", str(tmp_path / "shards"), "--workers", "2", "--shard-tokens", "4000"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "pretokenize train" in proc.stderr  # the tqdm bar
+    common = [*TINY, "--training.seq_len", "32", "--data.cache_dir", str(tmp_path / "cache")]
+    raw = train(tmp_path, *common, "--data.source", str(corpus), name="raw").check()
+    one = train(tmp_path, *common, "--data.source", str(tmp_path / "shards"), name="one").check()
+    two = train(tmp_path, *common, "--data.source", str(tmp_path / "shards"), name="two", nproc=2).check()
+    assert len(raw.losses) == 20
+    assert one.losses == raw.losses
+    assert_losses_close(two.losses, raw.losses, rtol=1e-5)
