@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from outlier_titan.checkpoint.export import initial_model_config, load_model_state
+from outlier_titan.checkpoint.export import apply_initial_model, load_model_state
 from outlier_titan.checkpoint.manager import Checkpointer, ModelState, OptimizerState
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, to_toml
@@ -93,8 +93,7 @@ class Trainer:
         self.dp_rank = self.dims.dp_mesh.get_local_rank()
         self.local_batch, self.micro_batch, self.accum_steps = batch_layout(cfg, self.dims.dp)
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
-        if cfg.checkpoint.initial_load_path:  # continued pretraining: the imported model's shape
-            cfg.model = initial_model_config(cfg.checkpoint.initial_load_path)
+        apply_initial_model(cfg)  # continued pretraining: the stored model's shape
         self.config_toml = to_toml(cfg)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -302,6 +301,7 @@ def main(argv: list[str]) -> int:
     trainer = None
     try:
         cfg = parse_args(argv)
+        apply_initial_model(cfg)
         if cfg.job.dry_run:
             from outlier_titan.parallel.planning import dry_run
 

@@ -402,3 +402,14 @@ def test_shards_train_to_the_same_losses_as_raw_files(tmp_path):
     assert len(raw.losses) == 20
     assert one.losses == raw.losses
     assert_losses_close(two.losses, raw.losses, rtol=1e-5)
+
+
+def test_train_with_an_unsupported_initial_model_exits_2(tmp_path):
+    folder = tiny_llama(tmp_path / "llama")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "train_configs/debug.toml"),
+                           "--job.dump_folder", str(tmp_path), "--checkpoint.initial_load_path", str(folder)],
+                          capture_output=True, text=True, timeout=120)
+    _one_line_exit2(proc, "hidden_act = 'gelu'", "llama")
+    assert not (tmp_path / "debug").exists()

@@ -135,6 +135,12 @@ def initial_model_config(path: str | Path):
                     f"export ({OURS_WEIGHTS} + {OURS_CONFIG}); export a checkpoint with scripts/export.py")
 
 
+def apply_initial_model(cfg) -> None:
+    """With ``checkpoint.initial_load_path`` set, replaces ``cfg.model`` by the stored model's section."""
+    if cfg.checkpoint.initial_load_path:
+        cfg.model = initial_model_config(cfg.checkpoint.initial_load_path)
+
+
 def load_pretrained(path: str | Path, device: str | torch.device = "cpu", tokenizer: str | None = None,
                     dtype: torch.dtype | None = None, need_tokenizer: bool = True):
     """Any stored model at world size 1: an HF folder, our export, or a DCP checkpoint / run folder.
