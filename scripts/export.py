@@ -28,11 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("source", help="run folder, <run>/checkpoints/step-<N>, an export or an HF folder")
     p.add_argument("--out", required=True, help="new folder to write")
     p.add_argument("--format", default="auto", choices=("auto", "hf", "safetensors"))
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="hf: split weights into files of this size")
     args = p.parse_args(argv)
     from outlier_titan.checkpoint.export import export_model
 
     try:
-        fmt, files = export_model(args.source, args.out, args.format)
+        fmt, files = export_model(args.source, args.out, args.format, int(args.max_shard_gb * 2**30))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

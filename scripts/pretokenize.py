@@ -4,7 +4,8 @@
     python scripts/pretokenize.py SOURCE --tokenizer T --out DIR [--workers K] [--text-field text]
                                   [--val-fraction 0.02] [--shard-tokens N]
 
-SOURCE is what ``data.source`` accepts (a .txt/.jsonl/.parquet file or folder, or 'embedded'); T what
+SOURCE is what ``data.source`` accepts (a .txt/.jsonl/.parquet file or folder, or 'embedded') or a folder
+written by ``datasets``' ``save_to_disk`` (needs the ``hf`` extra); T what
 ``data.tokenizer`` accepts. Both splits are written with the train/validation rule of the raw source, so a run
 on DIR sees the same batches as a run on SOURCE with the same ``data.val_fraction``. DIR/manifest.json records
 the tokenizer fingerprint (a run with another tokenizer is refused), document and token counts per shard.
@@ -26,7 +27,7 @@ from outlier_titan.errors import UserError  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="corpus: a .txt/.jsonl/.parquet file or folder, or 'embedded'")
+    p.add_argument("source", help="corpus: a .txt/.jsonl/.parquet file or folder, 'embedded', or an HF save_to_disk folder")
     p.add_argument("--tokenizer", required=True, help="'embedded', a tiktoken BPE rank file or tiktoken:<name>")
     p.add_argument("--out", required=True, help="new folder for the shards and manifest.json")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")

@@ -115,8 +115,8 @@ def test_import_other_head_tying(tmp_path, family, tie):
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_export_of_import_round_trips_through_transformers(tmp_path, family):
     folder = (tiny_gpt2 if family == "gpt2" else tiny_llama)(tmp_path / family)
-    fmt, files = export_model(folder, tmp_path / "out", "hf")
-    assert fmt == "hf"
+    fmt, files = export_model(folder, tmp_path / "out", "hf", max_shard_bytes=40_000)
+    assert fmt == "hf" and (tmp_path / "out" / "model.safetensors.index.json") in files and len(files) > 3
     original, exported = read_hf_tensors(folder), read_hf_tensors(tmp_path / "out")
     assert set(exported) <= set(original)
     for k, v in exported.items():
@@ -413,3 +413,43 @@ def test_train_with_an_unsupported_initial_model_exits_2(tmp_path):
                           capture_output=True, text=True, timeout=120)
     _one_line_exit2(proc, "hidden_act = 'gelu'", "llama")
     assert not (tmp_path / "debug").exists()
+
+
+def _has_datasets() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("datasets") is not None
+
+
+@pytest.mark.skipif(_has_datasets(), reason="checks the message shown when 'datasets' is missing")
+def test_saved_hf_dataset_without_datasets_is_one_line_error(tmp_path, capsys):
+    from tests.test_evaluate import load_script
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "state.json").write_text("{}")
+    capsys.readouterr()
+    assert load_script("pretokenize").main([str(saved), "--tokenizer", "embedded", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "saved to disk" in err[0] and "pip install 'outlier_titan[hf]'" in err[0]
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(not _has_datasets(), reason="needs the 'datasets' package (hf extra)")
+def test_saved_hf_dataset_gives_the_shards_of_the_same_jsonl(tmp_path):
+    import datasets
+
+    from outlier_titan.data.pretokenized import open_split, pretokenize
+    from outlier_titan.data import build_tokenizer
+
+    texts = [" ".join(["w%d" % j for j in range(i % 17, i % 17 + 30)]) for i in range(200)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    a = pretokenize(str(tmp_path / "c.jsonl"), "embedded", tmp_path / "a", workers=1, progress=False)
+    b = pretokenize(str(tmp_path / "saved"), "embedded", tmp_path / "b", workers=1, progress=False)
+    tok = build_tokenizer("embedded")
+    for split in ("train", "validation"):
+        assert a["splits"][split]["documents"] == b["splits"][split]["documents"]
+        x, _ = open_split(tmp_path / "a", split, tok)
+        y, _ = open_split(tmp_path / "b", split, tok)
+        assert np.array_equal(x[0:len(x)], y[0:len(y)])

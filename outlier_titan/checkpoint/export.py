@@ -206,11 +206,12 @@ def _tokenizer_file(spec: str) -> Path | None:
     return Path(spec).expanduser() if Path(spec).expanduser().is_file() else None
 
 
-def export_model(source: str | Path, out: str | Path, fmt: str = "auto") -> tuple[str, list[Path]]:
+def export_model(source: str | Path, out: str | Path, fmt: str = "auto",
+                 max_shard_bytes: int = 5 * 2**30) -> tuple[str, list[Path]]:
     """Writes the model stored at ``source`` to ``out`` as an HF folder or as our safetensors export.
 
     ``fmt``: ``hf`` (GPT-2 / Llama-shaped ``pre_ln`` models only), ``safetensors`` (any spec) or ``auto``
-    (hf where possible). Returns the format written and the files. ``out`` must not hold files already.
+    (hf where possible); HF weights above ``max_shard_bytes`` are sharded with an index file. Returns the format written and the files. ``out`` must not hold files already.
     """
     from outlier_titan.config.manager import to_toml
 
@@ -227,7 +228,8 @@ def export_model(source: str | Path, out: str | Path, fmt: str = "auto") -> tupl
     fmt = "hf" if fmt == "auto" and adapter is not None else ("safetensors" if fmt == "auto" else fmt)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     if fmt == "hf":
-        files = write_hf_folder(out, adapter.hf_config(args) | {"torch_dtype": "float32"}, adapter.to_hf(state, args))
+        files = write_hf_folder(out, adapter.hf_config(args) | {"torch_dtype": "float32"}, adapter.to_hf(state, args),
+                                max_shard_bytes)
     else:
         from safetensors.torch import save_file
 

@@ -10,7 +10,9 @@ The documents of each split are exactly those the raw source gives for that spli
 train/validation rule with the manifest's ``val_fraction``), so the concatenated shards of a split equal the
 token cache the raw source would build, and ``data.source = DIR`` trains on the same windows: the loader reads
 the shards as one memory-mapped global token stream (resumable and reshardable like every file source).
-Tokenisation runs on ``workers`` processes over chunks of documents, results kept in order.
+Sources: whatever ``data.source`` reads, and a folder saved by ``datasets``' ``save_to_disk`` (its own
+validation split if it has one, else split by document-index hash). Tokenisation runs on ``workers`` processes
+over chunks of documents, results kept in order.
 """
 
 from __future__ import annotations
@@ -128,7 +130,48 @@ def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
         yield chunk
 
 
+def _is_disk_dataset(source: str) -> bool:
+    """A folder written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    p = Path(source).expanduser()
+    return (p / "dataset_dict.json").is_file() or (p / "state.json").is_file()
+
+
+def _disk_dataset_documents(source: str, split: str, text_field: str, val_fraction: float) -> Iterator[str]:
+    """Documents of an HF dataset saved to disk: its own split when a DatasetDict has it, else the train (or
+    only) split cut by the hash of the document index, the rule of a single jsonl file."""
+    from outlier_titan.data.sources import is_validation
+
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{source} is a Hugging Face dataset saved to disk; reading it needs the 'datasets' "
+                        "package: pip install 'outlier_titan[hf]'") from None
+    ds = datasets.load_from_disk(str(Path(source).expanduser()))
+    hash_split = True
+    if isinstance(ds, datasets.DatasetDict):
+        if split in ds and (split == "validation" or "validation" in ds):
+            ds, hash_split = ds[split], False
+        elif "train" in ds:
+            ds = ds["train"]
+        else:
+            raise DataError(f"{source}: the saved DatasetDict has no 'train' split (has {', '.join(ds)})")
+    if text_field not in ds.column_names:
+        raise DataError(f"{source}: the dataset has no column '{text_field}' (has {', '.join(ds.column_names)}); "
+                        "pass --text-field")
+
+    def docs() -> Iterator[str]:
+        for index, record in enumerate(ds):
+            if hash_split and is_validation(f"doc:{index}", val_fraction) != (split == "validation"):
+                continue
+            if isinstance(record[text_field], str):
+                yield record[text_field]
+    return docs()
+
+
 def _documents(source: str, split: str, text_field: str, val_fraction: float, seed: int) -> Iterator[str]:
+    """The documents of ``split``: a ``data.source`` value or an HF dataset saved to disk (checked now)."""
+    if _is_disk_dataset(source):
+        return _disk_dataset_documents(source, split, text_field, val_fraction)
     corpus = resolve_source(source, split, text_field=text_field, val_fraction=val_fraction, seed=seed)
     return corpus.documents()
 
@@ -176,7 +219,7 @@ def pretokenize(source: str, tokenizer_spec: str, out: str | Path, *, workers: i
     tokenizer = build_tokenizer(tokenizer_spec)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
     for split in SPLITS:  # fail on a bad source before starting workers
-        resolve_source(source, split, text_field=text_field, val_fraction=val_fraction, seed=seed)
+        _documents(source, split, text_field, val_fraction, seed)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     t0 = time.perf_counter()
