@@ -207,6 +207,8 @@ class Trainer:
             self.train_iter = iter(self.train_loader)
             self.logger.mark_resume(resumed)
             self.log0(f"resumed from {self.checkpointer.folder / f'step-{resumed}'}")
+        elif cfg.checkpoint.initial_load_path:
+            self.log0(f"weights from {cfg.checkpoint.initial_load_path}")
         self._install_sigterm()
         self.log0(f"model {cfg.model.name}/{cfg.model.flavor}: {self.n_params / 1e6:.2f}M params, "
                   f"{self.flops_per_token / 1e6:.1f} MFLOP/token | world {self.world_size} "

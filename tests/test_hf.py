@@ -382,6 +382,12 @@ def test_shards_hold_the_raw_token_stream_and_check_the_tokenizer(tmp_path):
     with pytest.raises(DataError, match=r"tokenized with 'embedded'.*set data.tokenizer"):
         build_dataloader(Data(source=str(tmp_path / "shards")), build_tokenizer(str(other)), seq_len=16,
                          global_batch_size=2, micro_batch_size=2, dp_rank=0, dp_degree=1)
+    with pytest.raises(DataError, match=r"data.val_fraction = 0.1 but .* split with 0.02"):
+        build_dataloader(Data(source=str(tmp_path / "shards"), val_fraction=0.1), tok, seq_len=16,
+                         global_batch_size=2, micro_batch_size=2, dp_rank=0, dp_degree=1)
+    rows = next(iter(build_dataloader(Data(source=str(tmp_path / "shards")), tok, seq_len=16, global_batch_size=2,
+                                      micro_batch_size=2, dp_rank=0, dp_degree=1, split="validation")))[0]
+    assert rows.shape == (2, 16)
 
 
 @pytest.mark.dist

@@ -378,7 +378,7 @@ def build_dataloader(data_cfg, tokenizer: Tokenizer, *, seq_len: int, global_bat
     layout = dict(seq_len=seq_len, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
                   dp_rank=dp_rank, dp_degree=dp_degree)
     if is_pretokenized(data_cfg.source):
-        tokens, description = open_split(data_cfg.source, split, tokenizer)
+        tokens, description = open_split(data_cfg.source, split, tokenizer, data_cfg.val_fraction)
         windows = ArrayWindows(data_cfg.source, seq_len, description, tokens=tokens,
                                shuffle_seed=seed if split == "train" else None)
         return TokenDataLoader(PackedWindowDataset(windows, **layout), description=description)

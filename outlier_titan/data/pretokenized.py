@@ -79,8 +79,10 @@ class ShardedTokens:
         return np.concatenate(parts) if len(parts) > 1 else np.asarray(parts[0])
 
 
-def open_split(folder: str | Path, split: str, tokenizer: Tokenizer) -> tuple[ShardedTokens, str]:
-    """The tokens of ``split`` in a pre-tokenized folder, after checking they were made with ``tokenizer``."""
+def open_split(folder: str | Path, split: str, tokenizer: Tokenizer,
+               val_fraction: float | None = None) -> tuple[ShardedTokens, str]:
+    """The tokens of ``split`` in a pre-tokenized folder, after checking they were made with ``tokenizer``
+    (and, if given, split with ``val_fraction``)."""
     folder = Path(folder).expanduser()
     manifest = read_manifest(folder)
     if manifest["tokenizer"] != tokenizer.fingerprint or manifest["eos_id"] != tokenizer.eos_id:
@@ -88,6 +90,10 @@ def open_split(folder: str | Path, split: str, tokenizer: Tokenizer) -> tuple[Sh
                         f"(fingerprint {manifest['tokenizer'][:24]}), not this run's data.tokenizer "
                         f"({tokenizer.fingerprint[:24]}); set data.tokenizer to the shards' tokenizer or re-run "
                         f"scripts/pretokenize.py with this one")
+    if val_fraction is not None and val_fraction != manifest["val_fraction"]:
+        raise DataError(f"data.val_fraction = {val_fraction} but {folder} was split with {manifest['val_fraction']}; "
+                        f"set data.val_fraction = {manifest['val_fraction']} or re-run scripts/pretokenize.py with "
+                        f"--val-fraction {val_fraction}")
     entry = manifest["splits"].get(split)
     if not entry or not entry["tokens"]:
         raise DataError(f"data.source: {folder} has no '{split}' tokens; re-run scripts/pretokenize.py with a "
