@@ -27,7 +27,7 @@ from outlier_titan.errors import UserError  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="corpus: a .txt/.jsonl/.parquet file or folder, 'embedded', or an HF save_to_disk folder")
+    p.add_argument("source", help="a .txt/.jsonl/.parquet file or folder, 'embedded', or an HF save_to_disk folder")
     p.add_argument("--tokenizer", required=True, help="'embedded', a tiktoken BPE rank file or tiktoken:<name>")
     p.add_argument("--out", required=True, help="new folder for the shards and manifest.json")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")

@@ -211,7 +211,8 @@ def export_model(source: str | Path, out: str | Path, fmt: str = "auto",
     """Writes the model stored at ``source`` to ``out`` as an HF folder or as our safetensors export.
 
     ``fmt``: ``hf`` (GPT-2 / Llama-shaped ``pre_ln`` models only), ``safetensors`` (any spec) or ``auto``
-    (hf where possible); HF weights above ``max_shard_bytes`` are sharded with an index file. Returns the format written and the files. ``out`` must not hold files already.
+    (hf where possible); HF weights above ``max_shard_bytes`` are sharded with an index file. Returns the
+    format written and the files. ``out`` must not hold files already.
     """
     from outlier_titan.config.manager import to_toml
 

@@ -179,15 +179,18 @@ class GPT2Adapter:
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
                 "use_cache": True}
 
-    @staticmethod
-    def _names(i: int) -> list[tuple[str, str, bool]]:
+    # (HF module, our module, weight stored as Conv1D [in, out]) in each block, besides the fused c_attn
+    _BLOCK = (("ln_1", "attention_norm", False), ("attn.c_proj", "attention.wo", True), ("ln_2", "ffn_norm", False),
+              ("mlp.c_fc", "feed_forward.w1", True), ("mlp.c_proj", "feed_forward.w2", True))
+
+    @classmethod
+    def _names(cls, i: int) -> list[tuple[str, str, bool]]:
         """(HF name, our name, transposed) for block i, besides the split c_attn."""
-        h, o = f"transformer.h.{i}.", f"layers.{i}."
-        return [(h + "ln_1.weight", o + "attention_norm.weight", False), (h + "ln_1.bias", o + "attention_norm.bias", False),
-                (h + "attn.c_proj.weight", o + "attention.wo.weight", True), (h + "attn.c_proj.bias", o + "attention.wo.bias", False),
-                (h + "ln_2.weight", o + "ffn_norm.weight", False), (h + "ln_2.bias", o + "ffn_norm.bias", False),
-                (h + "mlp.c_fc.weight", o + "feed_forward.w1.weight", True), (h + "mlp.c_fc.bias", o + "feed_forward.w1.bias", False),
-                (h + "mlp.c_proj.weight", o + "feed_forward.w2.weight", True), (h + "mlp.c_proj.bias", o + "feed_forward.w2.bias", False)]
+        out = []
+        for hf, ours, conv in cls._BLOCK:
+            out.append((f"transformer.h.{i}.{hf}.weight", f"layers.{i}.{ours}.weight", conv))
+            out.append((f"transformer.h.{i}.{hf}.bias", f"layers.{i}.{ours}.bias", False))
+        return out
 
     @classmethod
     def expected_hf_shapes(cls, a) -> dict[str, tuple[int, ...]]:
@@ -196,8 +199,9 @@ class GPT2Adapter:
                   "transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,)}
         for i in range(a.n_layers):
             h = f"transformer.h.{i}."
-            shapes.update({h + "ln_1.weight": (d,), h + "ln_1.bias": (d,), h + "ln_2.weight": (d,), h + "ln_2.bias": (d,),
-                           h + "attn.c_attn.weight": (d, 3 * d), h + "attn.c_attn.bias": (3 * d,),
+            shapes.update({h + "ln_1.weight": (d,), h + "ln_1.bias": (d,), h + "ln_2.weight": (d,),
+                           h + "ln_2.bias": (d,), h + "attn.c_attn.weight": (d, 3 * d),
+                           h + "attn.c_attn.bias": (3 * d,),
                            h + "attn.c_proj.weight": (d, d), h + "attn.c_proj.bias": (d,),
                            h + "mlp.c_fc.weight": (d, f), h + "mlp.c_fc.bias": (f,),
                            h + "mlp.c_proj.weight": (f, d), h + "mlp.c_proj.bias": (d,)})
@@ -212,7 +216,8 @@ class GPT2Adapter:
         if a.tie_embeddings:
             t.pop("lm_head.weight", None)  # a tied head saved explicitly is the embedding again
         _check_shapes("gpt2", t, cls.expected_hf_shapes(a), cls._IGNORE)
-        out = {"tok_embeddings.weight": t["transformer.wte.weight"], "pos_embeddings.weight": t["transformer.wpe.weight"],
+        out = {"tok_embeddings.weight": t["transformer.wte.weight"],
+               "pos_embeddings.weight": t["transformer.wpe.weight"],
                "norm.weight": t["transformer.ln_f.weight"], "norm.bias": t["transformer.ln_f.bias"]}
         for i in range(a.n_layers):
             for hf, ours, transposed in cls._names(i):
@@ -228,7 +233,8 @@ class GPT2Adapter:
     @classmethod
     def to_hf(cls, s: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
         """Our state dict -> HF tensors (the tied head is not stored, as ``save_pretrained`` does)."""
-        out = {"transformer.wte.weight": s["tok_embeddings.weight"], "transformer.wpe.weight": s["pos_embeddings.weight"],
+        out = {"transformer.wte.weight": s["tok_embeddings.weight"],
+               "transformer.wpe.weight": s["pos_embeddings.weight"],
                "transformer.ln_f.weight": s["norm.weight"], "transformer.ln_f.bias": s["norm.bias"]}
         for i in range(a.n_layers):
             for hf, ours, transposed in cls._names(i):
@@ -298,7 +304,8 @@ class LlamaAdapter:
     @staticmethod
     def _names(i: int, bias: bool) -> list[tuple[str, str]]:
         h, o = f"model.layers.{i}.", f"layers.{i}."
-        pairs = [("input_layernorm.weight", "attention_norm.weight"), ("post_attention_layernorm.weight", "ffn_norm.weight")]
+        pairs = [("input_layernorm.weight", "attention_norm.weight"),
+                 ("post_attention_layernorm.weight", "ffn_norm.weight")]
         for hf, ours in (("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
                          ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo"),
                          ("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"),
