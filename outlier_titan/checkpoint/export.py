@@ -106,6 +106,8 @@ def load_model_state(model: nn.Module, path: str | Path) -> None:
         state = adapter_for_hf(config).from_hf(read_hf_tensors(path), args)
     else:
         state = _read_ours(path)
+    own = model.state_dict()  # stored dtype (often bf16) -> the model's
+    state = {k: v.to(own[k].dtype) if k in own else v for k, v in state.items()}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
 
 
