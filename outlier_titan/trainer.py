@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from outlier_titan.checkpoint.export import apply_initial_model, load_model_state
 from outlier_titan.checkpoint.manager import Checkpointer, ModelState, OptimizerState
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, to_toml
@@ -92,6 +93,7 @@ class Trainer:
         self.dp_rank = self.dims.dp_mesh.get_local_rank()
         self.local_batch, self.micro_batch, self.accum_steps = batch_layout(cfg, self.dims.dp)
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
+        apply_initial_model(cfg)  # continued pretraining: the stored model's shape
         self.config_toml = to_toml(cfg)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +107,9 @@ class Trainer:
         parallelize(self.model, self.spec, self.args, cfg, self.dims, self.mesh, device_type)
         self.model.to_empty(device=self.device)
         self.model.init_weights(Initializer(cfg.training.seed, self.device))
-        if self.spec.post_step is not None:
+        if cfg.checkpoint.initial_load_path:
+            load_model_state(self.model, cfg.checkpoint.initial_load_path)
+        elif self.spec.post_step is not None:
             self.spec.post_step(self.model)
         self.model.train()
 
@@ -203,6 +207,8 @@ class Trainer:
             self.train_iter = iter(self.train_loader)
             self.logger.mark_resume(resumed)
             self.log0(f"resumed from {self.checkpointer.folder / f'step-{resumed}'}")
+        elif cfg.checkpoint.initial_load_path:
+            self.log0(f"weights from {cfg.checkpoint.initial_load_path}")
         self._install_sigterm()
         self.log0(f"model {cfg.model.name}/{cfg.model.flavor}: {self.n_params / 1e6:.2f}M params, "
                   f"{self.flops_per_token / 1e6:.1f} MFLOP/token | world {self.world_size} "
@@ -297,6 +303,7 @@ def main(argv: list[str]) -> int:
     trainer = None
     try:
         cfg = parse_args(argv)
+        apply_initial_model(cfg)
         if cfg.job.dry_run:
             from outlier_titan.parallel.planning import dry_run
 

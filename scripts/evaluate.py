@@ -2,6 +2,7 @@
 """Evaluate a checkpoint: validation perplexity, post-training fake quantisation per scheme, probe metrics.
 
     python scripts/evaluate.py --checkpoint outputs/debug/checkpoints/step-200 [--tokens 65536] [--out FILE]
+    python scripts/evaluate.py --hf PATH [--tokenizer T] [--data SOURCE]   # an HF folder or an export
 
 The run folder is the checkpoint's grandparent (``<run>/checkpoints/step-<N>``); its ``config.toml`` gives the
 model, data and tokenizer. A run folder or its ``checkpoints`` folder selects the newest checkpoint. The model is
@@ -13,6 +14,11 @@ probe pictures (``.<name>.png``, if matplotlib is installed), and prints the tab
 Schemes: int8_fine, int8_fine_token, int8_moderate, int8_coarse (seed 000 absmax int8), int4_zeropoint (seed
 000), w8a8_static (seed 002: calibrated on ``--calib-batches`` training batches per seed, ``--calib-seeds``
 seeds, reported as mean ± std). See ``outlier_titan/quant/ptq.py``.
+
+``--hf PATH`` evaluates an imported model: a Hugging Face GPT-2 / Llama folder or an export of
+``scripts/export.py`` (report default ``PATH/eval/model.json``). Its tokenizer is the folder's
+``tokenizer.tiktoken`` (or a tiktoken ``tokenizer.model``) unless ``--tokenizer`` names one; the data is
+``data.source`` of the export's config, else the embedded corpus, unless ``--data`` names one.
 """
 
 from __future__ import annotations
@@ -36,7 +42,11 @@ from outlier_titan.quant.ptq import SCHEMES  # noqa: E402
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="<run>/checkpoints/step-<N> (or a run folder: newest)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="<run>/checkpoints/step-<N> (or a run folder: newest)")
+    src.add_argument("--hf", help="a Hugging Face model folder (GPT-2 / Llama) or an export of scripts/export.py")
+    p.add_argument("--tokenizer", default=None, help="data.tokenizer for the model (default: the folder's / run's)")
+    p.add_argument("--data", default=None, help="data.source to evaluate on (default: the run's / embedded)")
     p.add_argument("--tokens", type=int, default=65536, help="validation tokens for each perplexity")
     p.add_argument("--out", default=None, help="JSON report path (default <run>/eval/step-<N>.json)")
     p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes (default: all)")
@@ -81,9 +91,21 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
-    ckpt = resolve_checkpoint_dir(args.checkpoint)
-    run_dir = ckpt.parent.parent
-    model, cfg, tokenizer = _loader_fn()(ckpt, device)
+    if args.hf:
+        from outlier_titan.checkpoint.export import load_pretrained
+
+        ckpt = run_dir = Path(args.hf)
+        model, cfg, tokenizer = load_pretrained(ckpt, device, tokenizer=args.tokenizer)
+        default_out = run_dir / "eval" / "model.json"
+    else:
+        ckpt = resolve_checkpoint_dir(args.checkpoint)
+        run_dir = ckpt.parent.parent
+        model, cfg, tokenizer = _loader_fn()(ckpt, device)
+        default_out = run_dir / "eval" / f"{ckpt.name}.json"
+        if args.tokenizer:
+            raise UserError("--tokenizer applies to --hf only; a run's checkpoint uses the run's tokenizer")
+    if args.data:
+        cfg.data.source = args.data
     seq_len = args.seq_len or cfg.training.seq_len
     bs = args.batch_size
 
@@ -112,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     m = re.match(r"step-(\d+)$", ckpt.name)
     if m:
         report["step"] = int(m.group(1))
-    out = Path(args.out) if args.out else run_dir / "eval" / f"{ckpt.name}.json"
+    out = Path(args.out) if args.out else default_out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)

@@ -41,6 +41,13 @@ class Model:
     qk_norm: bool | None = opt(None, "Per-head RMSNorm on queries and keys (GPT+).")
     mlp: str | None = opt(None, "MLP type.", ("gelu", "swiglu", "relu"))
     tie_embeddings: bool | None = opt(None, "Share input embedding and output head weights.")
+    dim: int | None = opt(None, "Residual width (overrides the flavor; set by Hugging Face imports).")
+    n_layers: int | None = opt(None, "Number of blocks (overrides the flavor).")
+    n_heads: int | None = opt(None, "Attention heads (overrides the flavor).")
+    n_kv_heads: int | None = opt(None, "Key/value heads for grouped-query attention (overrides the flavor).")
+    ffn_hidden: int | None = opt(None, "MLP hidden units (per branch for SwiGLU; overrides the flavor).")
+    norm_eps: float | None = opt(None, "Epsilon of the norms (overrides the flavor).")
+    rope_theta: float | None = opt(None, "RoPE base (overrides the flavor).")
     vocab_size: int | None = opt(None, "Vocabulary size; default: the tokenizer's, padded to a multiple of 64.")
     max_seq_len: int | None = opt(None, "Longest sequence for learned positions / RoPE; default training.seq_len.")
     rope_fraction: float | None = opt(None, "Share of each head's dims rotated by RoPE (GPT+/anGPT: 0.5).")
@@ -151,6 +158,9 @@ class Checkpoint:
     interval: int = opt(100, "Save every N steps (and at the last step).")
     keep_latest_k: int = opt(3, "Keep this many newest checkpoints (0 = keep all).")
     load_step: int = opt(-1, "Resume from this step (-1 = newest complete checkpoint, 0 = do not resume).")
+    initial_load_path: str = opt("", "Start from this model instead of a random init: an HF GPT-2/Llama folder or "
+                                     "an export of scripts/export.py; its [model] replaces the config's. A "
+                                     "checkpoint of the run itself still wins on resume.")
 
 
 @dataclass

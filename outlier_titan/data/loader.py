@@ -45,6 +45,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from outlier_titan.data.pretokenized import is_pretokenized, open_split
 from outlier_titan.data.sources import FileCorpus, HFCorpus, resolve_source
 from outlier_titan.data.tokenizer import Tokenizer
 from outlier_titan.errors import DataError
@@ -189,12 +190,14 @@ class ArrayWindows:
     epoch, never on the number of ranks.
     """
 
-    def __init__(self, path: str | Path, seq_len: int, description: str = "", shuffle_seed: int | None = None) -> None:
+    def __init__(self, path: str | Path, seq_len: int, description: str = "", shuffle_seed: int | None = None,
+                 tokens=None) -> None:
         self.path = Path(path)
         self.seq_len = seq_len
         self.shuffle_seed = shuffle_seed
         self._perm_epoch, self._perm = -1, None
-        self.tokens = np.load(self.path, mmap_mode="r")
+        # ``tokens``: any sliceable 1-D token sequence instead of the .npy at ``path`` (pre-tokenized shards)
+        self.tokens = np.load(self.path, mmap_mode="r") if tokens is None else tokens
         self.num_windows = (len(self.tokens) - 1) // seq_len
         if self.num_windows < 1:
             raise DataError(f"data.source: {description or self.path} has {len(self.tokens)} tokens, fewer than "
@@ -372,10 +375,15 @@ def build_dataloader(data_cfg, tokenizer: Tokenizer, *, seq_len: int, global_bat
     """
     if seq_len < 1:
         raise DataError(f"training.seq_len must be positive, got {seq_len}")
-    corpus = resolve_source(data_cfg.source, split, text_field=data_cfg.text_field,
-                            val_fraction=data_cfg.val_fraction, seed=seed if split == "train" else None)
     layout = dict(seq_len=seq_len, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
                   dp_rank=dp_rank, dp_degree=dp_degree)
+    if is_pretokenized(data_cfg.source):
+        tokens, description = open_split(data_cfg.source, split, tokenizer, data_cfg.val_fraction)
+        windows = ArrayWindows(data_cfg.source, seq_len, description, tokens=tokens,
+                               shuffle_seed=seed if split == "train" else None)
+        return TokenDataLoader(PackedWindowDataset(windows, **layout), description=description)
+    corpus = resolve_source(data_cfg.source, split, text_field=data_cfg.text_field,
+                            val_fraction=data_cfg.val_fraction, seed=seed if split == "train" else None)
     if isinstance(corpus, HFCorpus):
         corpus.open()  # fail now, not at the first step, when the hub cannot be reached
         dataset = PackedWindowDataset(StreamWindows(corpus, tokenizer, seq_len), **layout)

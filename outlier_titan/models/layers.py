@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
             raise ValueError(f"unknown RMSNorm gain {gain!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 upcast; float64 stays exact
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         y = y.type_as(x)
         return y if self.weight is None else y * self.weight

@@ -1,0 +1,381 @@
+"""Hugging Face state-dict adapters for the ``pre_ln`` spec (torchtitan's ``state_dict_adapter`` idea).
+
+Two families, each a mapping between an HF checkpoint (``config.json`` + ``*.safetensors``) and our model:
+
+- GPT-2 (``GPT2LMHeadModel``) <-> ``pre_ln`` GPT-2 style: HF's ``Conv1D`` stores weights as [in, out], so
+  every projection is transposed; the fused ``c_attn`` is split into ``wq, wk, wv``; the head is tied unless
+  ``tie_word_embeddings`` is false; ``gelu_new`` / ``gelu_pytorch_tanh`` are our tanh GELU.
+- Llama (``LlamaForCausalLM``) <-> ``pre_ln`` Llama style: RMSNorm, SwiGLU (gate = w1, up = w3, down = w2),
+  GQA, untied head. HF's modeling code applies RoPE with ``rotate_half``, i.e. it pairs dim i with
+  i + d_h/2, which is our ``RotaryEmbedding`` layout, so q/k weights map unpermuted (the interleaved-pair
+  permutation exists only between Meta's original files and HF's).
+
+Any config option we cannot reproduce exactly is a :class:`UserError` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from outlier_titan.errors import UserError
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+WEIGHTS = "model.safetensors"
+
+
+class HFError(UserError):
+    """An HF folder that cannot be imported or a model that cannot be exported to HF."""
+
+
+# ---------------------------------------------------------------- folders
+
+def is_hf_folder(path: str | Path) -> bool:
+    return (Path(path) / CONFIG).is_file()
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        raise HFError(f"{path} has no {CONFIG}; pass a Hugging Face model folder (save_pretrained output)")
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise HFError(f"{file} is not valid JSON ({e}); restore the file from the model's source") from None
+
+
+def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    if (folder / INDEX).is_file():
+        try:
+            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise HFError(f"{folder / INDEX} has no valid 'weight_map'; the sharded checkpoint is corrupt") from None
+        files = sorted(set(weight_map.values()))
+    elif (folder / WEIGHTS).is_file():
+        files = [WEIGHTS]
+    else:
+        raise HFError(f"{folder} has no {WEIGHTS} or {INDEX}; the folder holds no safetensors weights "
+                      f"(save with safe_serialization=True)")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        file = folder / name
+        if not file.is_file():
+            raise HFError(f"{folder} lacks the weight shard {name} named in {INDEX}; copy the missing shard")
+        try:
+            tensors.update(load_file(str(file)))
+        except (SafetensorError, OSError) as e:
+            raise HFError(f"cannot read {file}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return tensors
+
+
+def write_hf_folder(path: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                    max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+    """Writes ``config.json`` and the tensors as one ``model.safetensors`` or as shards plus an index file."""
+    from safetensors.torch import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.detach().contiguous().cpu()
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / WEIGHTS), metadata=meta)
+        return [folder / CONFIG, folder / WEIGHTS]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, str(folder / name), metadata=meta)
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                           indent=2, sort_keys=True) + "\n")
+    return [folder / CONFIG, folder / INDEX, *(folder / n for n in names)]
+
+
+# ---------------------------------------------------------------- adapters
+
+def _unsupported(family: str, option: str, value: Any, allowed: str) -> HFError:
+    return HFError(f"HF {family} config: {option} = {value!r} is not supported (outlier_titan reproduces "
+                   f"{allowed}); convert the model or pick another")
+
+
+def _check_shapes(family: str, got: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]],
+                  ignore: tuple[str, ...] = ()) -> None:
+    missing = [k for k in expected if k not in got]
+    if missing:
+        raise HFError(f"HF {family} weights: {len(missing)} missing, first {missing[0]!r}; the folder is "
+                      f"incomplete (copy every *.safetensors shard)")
+    for k, shape in expected.items():
+        if tuple(got[k].shape) != tuple(shape):
+            raise HFError(f"HF {family} weights: {k} has shape {tuple(got[k].shape)} but config.json implies "
+                          f"{tuple(shape)}; the weights do not belong to this config")
+    extra = [k for k in got if k not in expected and not k.endswith(ignore)]
+    if extra:
+        raise HFError(f"HF {family} weights: {len(extra)} unexpected tensor(s), first {extra[0]!r}; the "
+                      f"architecture has parts outlier_titan does not model")
+
+
+class GPT2Adapter:
+    """HF ``GPT2LMHeadModel`` <-> ``pre_ln`` GPT-2 style."""
+
+    family = "gpt2"
+    _ACT = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
+    # Causal-mask buffers that older transformers versions saved with the weights.
+    _IGNORE = (".attn.bias", ".attn.masked_bias")
+
+    @classmethod
+    def options_from_hf(cls, c: dict[str, Any]) -> dict[str, Any]:
+        """Our ``pre_ln`` options (``model.*`` keys) for an HF GPT-2 config."""
+        act = c.get("activation_function", "gelu_new")
+        if act not in cls._ACT:
+            raise _unsupported("gpt2", "activation_function", act, "gelu_new, gelu_pytorch_tanh, relu")
+        for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                        ("add_cross_attention", False)):
+            if c.get(key, ok) != ok:
+                raise _unsupported("gpt2", key, c[key], f"{key} = {ok}")
+        d, h = c["n_embd"], c["n_head"]
+        return dict(dim=d, n_layers=c["n_layer"], n_heads=h, n_kv_heads=h,
+                    ffn_hidden=c.get("n_inner") or 4 * d, vocab_size=c["vocab_size"], max_seq_len=c["n_positions"],
+                    norm="layernorm", softmax="softmax", pos_encoding="learned", bias=True, qk_norm=False,
+                    mlp=cls._ACT[act], tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+                    norm_eps=c.get("layer_norm_epsilon", 1e-5))
+
+    @staticmethod
+    def exportable(a) -> str | None:
+        """None if ``a`` (PreLNArgs) is a GPT-2 model HF can hold, else the first option that is not."""
+        want = dict(norm="layernorm", softmax="softmax", pos_encoding="learned", bias=True, qk_norm=False)
+        for k, v in want.items():
+            if getattr(a, k) != v:
+                return f"model.{k} = {getattr(a, k)!r} (HF GPT-2 needs {v!r})"
+        if a.mlp not in ("gelu", "relu"):
+            return f"model.mlp = {a.mlp!r} (HF GPT-2 needs gelu or relu)"
+        if a.n_kv_heads != a.n_heads:
+            return f"model.n_kv_heads = {a.n_kv_heads} (HF GPT-2 has no grouped-query attention)"
+        return None
+
+    @staticmethod
+    def hf_config(a) -> dict[str, Any]:
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": a.vocab_size,
+                "n_positions": a.max_seq_len, "n_embd": a.dim, "n_layer": a.n_layers, "n_head": a.n_heads,
+                "n_inner": a.ffn_hidden, "activation_function": "gelu_new" if a.mlp == "gelu" else "relu",
+                "layer_norm_epsilon": a.norm_eps, "tie_word_embeddings": a.tie_embeddings,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
+                "use_cache": True}
+
+    # (HF module, our module, weight stored as Conv1D [in, out]) in each block, besides the fused c_attn
+    _BLOCK = (("ln_1", "attention_norm", False), ("attn.c_proj", "attention.wo", True), ("ln_2", "ffn_norm", False),
+              ("mlp.c_fc", "feed_forward.w1", True), ("mlp.c_proj", "feed_forward.w2", True))
+
+    @classmethod
+    def _names(cls, i: int) -> list[tuple[str, str, bool]]:
+        """(HF name, our name, transposed) for block i, besides the split c_attn."""
+        out = []
+        for hf, ours, conv in cls._BLOCK:
+            out.append((f"transformer.h.{i}.{hf}.weight", f"layers.{i}.{ours}.weight", conv))
+            out.append((f"transformer.h.{i}.{hf}.bias", f"layers.{i}.{ours}.bias", False))
+        return out
+
+    @classmethod
+    def expected_hf_shapes(cls, a) -> dict[str, tuple[int, ...]]:
+        d, f = a.dim, a.ffn_hidden
+        shapes = {"transformer.wte.weight": (a.vocab_size, d), "transformer.wpe.weight": (a.max_seq_len, d),
+                  "transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,)}
+        for i in range(a.n_layers):
+            h = f"transformer.h.{i}."
+            shapes.update({h + "ln_1.weight": (d,), h + "ln_1.bias": (d,), h + "ln_2.weight": (d,),
+                           h + "ln_2.bias": (d,), h + "attn.c_attn.weight": (d, 3 * d),
+                           h + "attn.c_attn.bias": (3 * d,),
+                           h + "attn.c_proj.weight": (d, d), h + "attn.c_proj.bias": (d,),
+                           h + "mlp.c_fc.weight": (d, f), h + "mlp.c_fc.bias": (f,),
+                           h + "mlp.c_proj.weight": (f, d), h + "mlp.c_proj.bias": (d,)})
+        if not a.tie_embeddings:
+            shapes["lm_head.weight"] = (a.vocab_size, d)
+        return shapes
+
+    @classmethod
+    def from_hf(cls, t: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
+        """HF tensors -> our state dict (checked against the shapes ``a`` implies)."""
+        t = dict(t)
+        if a.tie_embeddings:
+            t.pop("lm_head.weight", None)  # a tied head saved explicitly is the embedding again
+        _check_shapes("gpt2", t, cls.expected_hf_shapes(a), cls._IGNORE)
+        out = {"tok_embeddings.weight": t["transformer.wte.weight"],
+               "pos_embeddings.weight": t["transformer.wpe.weight"],
+               "norm.weight": t["transformer.ln_f.weight"], "norm.bias": t["transformer.ln_f.bias"]}
+        for i in range(a.n_layers):
+            for hf, ours, transposed in cls._names(i):
+                out[ours] = t[hf].t() if transposed else t[hf]
+            w = t[f"transformer.h.{i}.attn.c_attn.weight"].t()
+            b = t[f"transformer.h.{i}.attn.c_attn.bias"]
+            for name, wp, bp in zip("qkv", w.chunk(3, 0), b.chunk(3, 0)):
+                out[f"layers.{i}.attention.w{name}.weight"], out[f"layers.{i}.attention.w{name}.bias"] = wp, bp
+        if not a.tie_embeddings:
+            out["output.weight"] = t["lm_head.weight"]
+        return {k: v.contiguous() for k, v in out.items()}
+
+    @classmethod
+    def to_hf(cls, s: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
+        """Our state dict -> HF tensors (the tied head is not stored, as ``save_pretrained`` does)."""
+        out = {"transformer.wte.weight": s["tok_embeddings.weight"],
+               "transformer.wpe.weight": s["pos_embeddings.weight"],
+               "transformer.ln_f.weight": s["norm.weight"], "transformer.ln_f.bias": s["norm.bias"]}
+        for i in range(a.n_layers):
+            for hf, ours, transposed in cls._names(i):
+                out[hf] = s[ours].t() if transposed else s[ours]
+            p = f"layers.{i}.attention."
+            out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat([s[p + f"w{n}.weight"] for n in "qkv"]).t()
+            out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat([s[p + f"w{n}.bias"] for n in "qkv"])
+        if not a.tie_embeddings:
+            out["lm_head.weight"] = s["output.weight"]
+        return {k: v.contiguous() for k, v in out.items()}
+
+
+class LlamaAdapter:
+    """HF ``LlamaForCausalLM`` <-> ``pre_ln`` Llama style."""
+
+    family = "llama"
+    _IGNORE = ("rotary_emb.inv_freq",)
+
+    @staticmethod
+    def _rope_theta(c: dict[str, Any]) -> float:
+        rp = c.get("rope_parameters") or {}
+        scaling = c.get("rope_scaling") or {}
+        kind = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if kind != "default":
+            raise _unsupported("llama", "rope_type", kind, "plain RoPE (rope_type 'default')")
+        return float(rp.get("rope_theta", c.get("rope_theta", 10000.0)))
+
+    @classmethod
+    def options_from_hf(cls, c: dict[str, Any]) -> dict[str, Any]:
+        act = c.get("hidden_act", "silu")
+        if act != "silu":
+            raise _unsupported("llama", "hidden_act", act, "silu (SwiGLU)")
+        attn_bias, mlp_bias = bool(c.get("attention_bias", False)), bool(c.get("mlp_bias", False))
+        if attn_bias != mlp_bias:
+            raise _unsupported("llama", "attention_bias / mlp_bias", (attn_bias, mlp_bias), "both equal")
+        d, h = c["hidden_size"], c["num_attention_heads"]
+        head_dim = c.get("head_dim") or d // h
+        if head_dim * h != d:
+            raise _unsupported("llama", "head_dim", head_dim, f"hidden_size / num_attention_heads = {d // h}")
+        return dict(dim=d, n_layers=c["num_hidden_layers"], n_heads=h,
+                    n_kv_heads=c.get("num_key_value_heads") or h, ffn_hidden=c["intermediate_size"],
+                    vocab_size=c["vocab_size"], max_seq_len=c.get("max_position_embeddings", 2048), norm="rmsnorm",
+                    softmax="softmax", pos_encoding="rope", rope_fraction=1.0, bias=attn_bias, qk_norm=False,
+                    mlp="swiglu", tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+                    norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=cls._rope_theta(c))
+
+    @staticmethod
+    def exportable(a) -> str | None:
+        want = dict(norm="rmsnorm", softmax="softmax", pos_encoding="rope", rope_fraction=1.0, qk_norm=False,
+                    mlp="swiglu")
+        for k, v in want.items():
+            if getattr(a, k) != v:
+                return f"model.{k} = {getattr(a, k)!r} (HF Llama needs {v!r})"
+        return None
+
+    @staticmethod
+    def hf_config(a) -> dict[str, Any]:
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": a.vocab_size,
+                "hidden_size": a.dim, "intermediate_size": a.ffn_hidden, "num_hidden_layers": a.n_layers,
+                "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
+                "head_dim": a.dim // a.n_heads, "hidden_act": "silu", "max_position_embeddings": a.max_seq_len,
+                "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
+                "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
+                "attention_bias": a.bias, "mlp_bias": a.bias, "tie_word_embeddings": a.tie_embeddings,
+                "attention_dropout": 0.0, "use_cache": True}
+
+    @staticmethod
+    def _names(i: int, bias: bool) -> list[tuple[str, str]]:
+        h, o = f"model.layers.{i}.", f"layers.{i}."
+        pairs = [("input_layernorm.weight", "attention_norm.weight"),
+                 ("post_attention_layernorm.weight", "ffn_norm.weight")]
+        for hf, ours in (("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
+                         ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo"),
+                         ("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"),
+                         ("mlp.down_proj", "feed_forward.w2")):
+            pairs.append((hf + ".weight", ours + ".weight"))
+            if bias:
+                pairs.append((hf + ".bias", ours + ".bias"))
+        return [(h + x, o + y) for x, y in pairs]
+
+    @staticmethod
+    def expected_hf_shapes(a) -> dict[str, tuple[int, ...]]:
+        d, f, hd = a.dim, a.ffn_hidden, a.dim // a.n_heads
+        kv = a.n_kv_heads * hd
+        shapes = {"model.embed_tokens.weight": (a.vocab_size, d), "model.norm.weight": (d,)}
+        for i in range(a.n_layers):
+            h = f"model.layers.{i}."
+            for name, shape in (("input_layernorm", (d,)), ("post_attention_layernorm", (d,)),
+                                ("self_attn.q_proj", (d, d)), ("self_attn.k_proj", (kv, d)),
+                                ("self_attn.v_proj", (kv, d)), ("self_attn.o_proj", (d, d)),
+                                ("mlp.gate_proj", (f, d)), ("mlp.up_proj", (f, d)), ("mlp.down_proj", (d, f))):
+                shapes[h + name + ".weight"] = shape
+                if a.bias and "layernorm" not in name:
+                    shapes[h + name + ".bias"] = shape[:1]
+        if not a.tie_embeddings:
+            shapes["lm_head.weight"] = (a.vocab_size, d)
+        return shapes
+
+    @classmethod
+    def from_hf(cls, t: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
+        t = dict(t)
+        if a.tie_embeddings:
+            t.pop("lm_head.weight", None)
+        _check_shapes("llama", t, cls.expected_hf_shapes(a), cls._IGNORE)
+        out = {"tok_embeddings.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"]}
+        for i in range(a.n_layers):
+            out.update({ours: t[hf] for hf, ours in cls._names(i, a.bias)})
+        if not a.tie_embeddings:
+            out["output.weight"] = t["lm_head.weight"]
+        return {k: v.contiguous() for k, v in out.items()}
+
+    @classmethod
+    def to_hf(cls, s: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
+        out = {"model.embed_tokens.weight": s["tok_embeddings.weight"], "model.norm.weight": s["norm.weight"]}
+        for i in range(a.n_layers):
+            out.update({hf: s[ours] for hf, ours in cls._names(i, a.bias)})
+        if not a.tie_embeddings:
+            out["lm_head.weight"] = s["output.weight"]
+        return {k: v.contiguous() for k, v in out.items()}
+
+
+ADAPTERS = {"gpt2": GPT2Adapter, "llama": LlamaAdapter}
+_ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
+
+
+def adapter_for_hf(config: dict[str, Any]):
+    """The adapter for an HF config; an unknown model type or architecture is an :class:`HFError`."""
+    kind = config.get("model_type")
+    if kind not in ADAPTERS:
+        raise HFError(f"HF config.json: model_type = {kind!r} is not supported; supported: "
+                      f"{', '.join(ADAPTERS)}")
+    for arch in config.get("architectures") or []:
+        if _ARCHITECTURES.get(arch) != kind:
+            raise HFError(f"HF config.json: architecture {arch!r} is not supported; supported: "
+                          f"{', '.join(_ARCHITECTURES)}")
+    return ADAPTERS[kind]
+
+
+def adapter_for_args(args) -> tuple[Any, str]:
+    """(adapter, "") for a ``pre_ln`` model HF can hold, else (None, why not for the closest family)."""
+    mlp = getattr(args, "mlp", None)
+    adapter = LlamaAdapter if mlp == "swiglu" else GPT2Adapter
+    why = adapter.exportable(args)
+    return (None, why) if why else (adapter, "")
