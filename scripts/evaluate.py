@@ -37,7 +37,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="<run>/checkpoints/step-<N> (or a run folder: newest)")
-    p.add_argument("--tokens", type=int, default=65536, help="validation tokens for each perplexity")
+    p.add_argument("--tokens", type=int, default=65536,
+                   help="validation tokens for each perplexity; a smaller validation split is scored once, "
+                        "whole, with a warning")
     p.add_argument("--out", default=None, help="JSON report path (default <run>/eval/step-<N>.json)")
     p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes (default: all)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     from outlier_titan.checkpoint.manager import resolve_checkpoint_dir
     from outlier_titan.data import build_dataloader
-    from outlier_titan.eval.perplexity import take_batches
+    from outlier_titan.eval.perplexity import take_batches, validation_budget
     from outlier_titan.eval.report import markdown
     from outlier_titan.eval.runner import evaluate_model
 
@@ -91,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
         return build_dataloader(cfg.data, tokenizer, seq_len=seq_len, global_batch_size=bs, micro_batch_size=bs,
                                 dp_rank=0, dp_degree=1, split=split, seed=seed)
 
-    eval_batches = take_batches(loader("validation", cfg.training.seed), args.tokens)
+    val = loader("validation", cfg.training.seed)
+    budget = validation_budget(val, seq_len, args.tokens, "--tokens")
+    eval_batches = take_batches(val, budget)
     n_probe = args.probe_sequences or cfg.observe.batch_size * 4
     probe_rows = torch.cat([inputs for inputs, _ in eval_batches])[:n_probe]
     probe_tokens = list(probe_rows.split(max(1, cfg.observe.batch_size)))
@@ -107,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     report, images = evaluate_model(model, eval_batches=eval_batches, probe_tokens=probe_tokens,
                                     calib_batches=calib, schemes=schemes, calib_seeds=range(args.calib_seeds),
                                     device=device)
-    report = {"checkpoint": str(ckpt), "run": str(run_dir), **report,
+    report = {"checkpoint": str(ckpt), "run": str(run_dir), **report, "tokens_requested": args.tokens,
               "calibration": {"batches": args.calib_batches, "seeds": args.calib_seeds, "split": "train"}}
     m = re.match(r"step-(\d+)$", ckpt.name)
     if m:
