@@ -26,16 +26,17 @@ class PerplexityResult:
         return math.exp(self.loss)
 
 
-def validation_budget(loader, seq_len: int, wanted_tokens: int, asked_by: str) -> int:
+def validation_budget(loader, seq_len: int, wanted_tokens: int, asked_by: str, warn: bool = True) -> int:
     """Predicted tokens to score: ``wanted_tokens``, or the whole validation split of ``loader`` when it is
     smaller (with a warning on stderr), so that no validation token is scored twice. Streams have no known
     length and get ``wanted_tokens``."""
     windows = loader.num_windows
     if windows is None or windows * seq_len >= wanted_tokens:
         return wanted_tokens
-    print(f"warning: the validation split has only {windows * seq_len:,} tokens to predict ({windows:,} sequences "
-          f"of {seq_len}), fewer than the {wanted_tokens:,} asked by {asked_by}; each is scored once",
-          file=sys.stderr, flush=True)
+    if warn:
+        print(f"warning: the validation split has only {windows * seq_len:,} tokens to predict ({windows:,} sequences "
+              f"of {seq_len}), fewer than the {wanted_tokens:,} asked by {asked_by}; each is scored once",
+              file=sys.stderr, flush=True)
     return windows * seq_len
 
 

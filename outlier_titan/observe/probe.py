@@ -100,7 +100,8 @@ class OutlierProbe:
             def hook(probs):
                 p, r = self._probs(probs, module)
                 rep["attn"] |= r
-                attn[name] = om.add_sums(attn.get(name), om.attention_sums(p, map_size, sink=module.softmax == "softmax1"))
+                sums = om.attention_sums(p, map_size, sink=module.softmax == "softmax1")
+                attn[name] = om.add_sums(attn.get(name), sums)
             return hook
 
         handles = [self.model.layers[n].register_forward_hook(block_hook(n)) for n in self.layer_names]
