@@ -11,7 +11,6 @@ with its folder name. Also prints the last value of every plotted metric per run
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import sys
@@ -22,6 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from outlier_titan import cli  # noqa: E402
 from outlier_titan.observe.logger import read_metrics  # noqa: E402
 
 DEFAULT_METRICS = ("kurtosis_first", "kurtosis_rest", "kurtosis_neuron_rms", "max_abs_first", "max_abs_rest",
@@ -114,7 +114,7 @@ def summary(runs: dict[str, dict[int, dict]], metrics: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.parser(__doc__)
     p.add_argument("runs", nargs="+", type=Path, help="run folders (each with metrics.jsonl)")
     p.add_argument("--out", type=Path, required=True, help="PNG to write")
     p.add_argument("--metrics", default=",".join(DEFAULT_METRICS),

@@ -19,7 +19,6 @@ optimizer step as a share of a whole training step (forward + backward + step).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import platform
 import statistics
@@ -33,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from outlier_titan import cli  # noqa: E402
 from outlier_titan.optim.orthoadam import OrthoAdam  # noqa: E402
 from outlier_titan.optim.soap import SOAP  # noqa: E402
 from outlier_titan.optim.tile_engine import EngineOptions  # noqa: E402
@@ -256,28 +256,31 @@ def run_probe(args, command: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
-    o = sub.add_parser("optim", help="optimizer step time of OrthoAdam and SOAP relative to AdamW")
+    o = sub.add_parser("optim", help="optimizer step time of OrthoAdam and SOAP relative to AdamW",
+                       formatter_class=cli.HelpFormatter)
     o.add_argument("--shapes", default="gpt2_124m,debug", help="comma list of: gpt2_124m, debug")
     o.add_argument("--tile-sizes", default="256,64", help="comma list of optimizer.tile_size values")
-    o.add_argument("--basis", default="hadamard", choices=("hadamard", "haar"))
+    o.add_argument("--basis", default="hadamard", choices=("hadamard", "haar"), help="OrthoAdam basis")
     o.add_argument("--frequency", type=int, default=10, help="SOAP precondition_frequency")
-    o.add_argument("--soap-factor-dtype", default="float64", choices=("float64", "float32"))
+    o.add_argument("--soap-factor-dtype", default="float64", choices=("float64", "float32"),
+                   help="dtype of SOAP's factor EMAs")
     o.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
-    o.add_argument("--steps-per-rep", type=int, default=2)
+    o.add_argument("--steps-per-rep", type=int, default=2, help="timed optimizer steps per repetition")
     o.add_argument("--batch", type=int, default=8, help="debug train-step share: sequences")
     o.add_argument("--seq-len", type=int, default=256, help="debug train-step share: tokens per sequence")
     o.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: stable timings on a shared machine; OpenMP spin-waits under load)")
     o.add_argument("--markdown", default="", help="also write the markdown tables to this file")
-    p = sub.add_parser("probe", help="outlier-probe cost relative to training steps (debug model)")
+    p = sub.add_parser("probe", help="outlier-probe cost relative to training steps (debug model)",
+                       formatter_class=cli.HelpFormatter)
     p.add_argument("--every", type=int, default=100, help="observe.every the drop is reported for")
     p.add_argument("--steps", type=int, default=40, help="timed training steps")
     p.add_argument("--probes", type=int, default=8, help="timed probe runs, interleaved with the steps")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--mode", default="full", choices=("full", "cheap"))
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=3, help="untimed training steps first")
+    p.add_argument("--mode", default="full", choices=("full", "cheap"), help="observe.mode")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args(argv)
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)

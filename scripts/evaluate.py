@@ -29,26 +29,27 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from outlier_titan import cli  # noqa: E402
 from outlier_titan.errors import UserError  # noqa: E402
 from outlier_titan.quant.ptq import SCHEMES  # noqa: E402
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--checkpoint", required=True, help="<run>/checkpoints/step-<N> (or a run folder: newest)")
     p.add_argument("--tokens", type=int, default=65536,
                    help="validation tokens for each perplexity; a smaller validation split is scored once, "
                         "whole, with a warning")
     p.add_argument("--out", default=None, help="JSON report path (default <run>/eval/step-<N>.json)")
-    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes (default: all)")
+    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: training.seq_len)")
     p.add_argument("--calib-batches", type=int, default=4, help="w8a8_static: calibration batches per seed")
     p.add_argument("--calib-seeds", type=int, default=3, help="w8a8_static: calibration seeds (mean ± std)")
     p.add_argument("--probe-sequences", type=int, default=None,
                    help="validation sequences for the probe metrics (default: observe.batch_size x 4)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda when available, else cpu")
     return p.parse_args(argv)
 
 
