@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -192,7 +193,10 @@ def markdown(results: list[dict], args, command: str) -> str:
 def run_optim(args, command: str) -> list[dict]:
     torch.set_grad_enabled(True)
     results = []
-    for shape_set, tile in [(s, int(t)) for s in args.shapes.split(",") for t in args.tile_sizes.split(",")]:
+    jobs = [(s, int(t)) for s in args.shapes.split(",") for t in args.tile_sizes.split(",")]
+    print(f"optim: {len(jobs)} shape set x tile size combination(s), {args.reps} interleaved reps of AdamW, "
+          f"OrthoAdam and SOAP each; a line per combination as it finishes, then the tables", flush=True)
+    for shape_set, tile in tqdm(jobs, desc="optim", unit="combination"):
         args.tile_size = tile
         if shape_set == "gpt2_124m":
             params = {n: torch.nn.Parameter(torch.randn(s) * 0.02) for n, s in gpt2_124m_shapes()}
@@ -207,9 +211,9 @@ def run_optim(args, command: str) -> list[dict]:
         r.pop("opts")
         r["tile"] = tile
         results.append(r)
-        print(f"{r['label']} tile {tile}: AdamW {r['median_s']['adamw'] * 1e3:.1f} ms, OrthoAdam x"
-              f"{r['ratio_median']['orthoadam']:.2f}, SOAP x{r['ratio_mean']['soap']:.2f} (amortised); "
-              f"bytes/param {', '.join(f'{k} {v:.1f}' for k, v in r['bytes_per_param'].items())}", flush=True)
+        tqdm.write(f"{r['label']} tile {tile}: AdamW {r['median_s']['adamw'] * 1e3:.1f} ms, OrthoAdam x"
+                   f"{r['ratio_median']['orthoadam']:.2f}, SOAP x{r['ratio_mean']['soap']:.2f} (amortised); "
+                   f"bytes/param {', '.join(f'{k} {v:.1f}' for k, v in r['bytes_per_param'].items())}")
     text = markdown(results, args, command)
     print(text)
     if args.markdown:
@@ -233,7 +237,7 @@ def run_probe(args, command: str) -> dict:
         trainer._build_probe()
         probe_every = max(1, args.steps // args.probes)
         step_times, probe_times = [], []
-        for i in range(args.warmup + args.steps):
+        for i in tqdm(range(args.warmup + args.steps), desc="probe benchmark", unit="step"):
             t0 = time.perf_counter()
             trainer.train_step()
             if i >= args.warmup:
