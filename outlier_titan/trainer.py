@@ -24,6 +24,7 @@ from outlier_titan.checkpoint.manager import Checkpointer, ModelState, Optimizer
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, to_toml
 from outlier_titan.data import build_dataloader, build_tokenizer
+from outlier_titan.data.tokenizer import tokenizer_mismatch
 from outlier_titan.eval.perplexity import validation_budget
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import build_meta_model, count_params, flops_per_token
@@ -285,6 +286,9 @@ class Trainer:
                   f"| batch {cfg.training.global_batch_size}x{cfg.training.seq_len}, "
                   f"micro {self.micro_batch} x {self.accum_steps} | {self.device}")
         self.log0(self._data_line())
+        mismatch = tokenizer_mismatch(cfg.data.source, cfg.data.tokenizer)
+        if mismatch and self.rank == 0:
+            print(f"warning: {mismatch}", file=sys.stderr, flush=True)
         if self.probe is None and cfg.observe.every > 0:
             self._build_probe()
         self.throughput.reset()
