@@ -8,7 +8,8 @@ model, data and tokenizer. A run folder or its ``checkpoints`` folder selects th
 built at world size 1 and loaded from a DCP checkpoint of any world size.
 
 Writes ``FILE`` (JSON; default ``<run>/eval/step-<N>.json``), the markdown table next to it (``.md``) and the
-probe pictures (``.<name>.png``, if matplotlib is installed), and prints the table.
+probe pictures (``.<name>.png``: the attention map on a fixed log scale, the hidden-state magnitudes with their
+colour range; the same labelled pictures as TensorBoard's), and prints the table.
 
 Schemes: int8_fine, int8_fine_token, int8_moderate, int8_coarse (seed 000 absmax int8), int4_zeropoint (seed
 000), w8a8_static (seed 002: calibrated on ``--calib-batches`` training batches per seed, ``--calib-seeds``
@@ -130,12 +131,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def save_images(images: dict, out: Path) -> list[Path]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
+    """Writes the probe's pictures (HWC uint8, already labelled) next to ``out`` as PNG files."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     paths = []
     for name, img in images.items():
         path = out.with_suffix(f".{name.split('/')[-1]}.png")
