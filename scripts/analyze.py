@@ -4,9 +4,9 @@
     python scripts/analyze.py outputs/adamw outputs/orthoadam --out compare.png
 
 Each RUN_DIR must hold ``metrics.jsonl`` (one JSON object per logged step; records of the same step are
-merged). Panels: the training loss (solid) with the validation loss (dashed, where logged), each outlier metric (layer means, ``outliers/<name>``) against the step,
-and per-layer profiles at the last probe step (``outliers/layer_<i>/<name>``). Each run is one line, labelled
-with its folder name. Also prints the last value of every plotted metric per run.
+merged). Panels: the training loss (solid) with the validation loss (dashed, where logged), each outlier
+metric (layer means, ``outliers/<name>``) against the step, and per-layer profiles at the last probe step
+(``outliers/layer_<i>/<name>``). Each run is one line, labelled with its folder name. Also prints the last value of every plotted metric per run.
 """
 
 from __future__ import annotations
