@@ -1,4 +1,5 @@
-"""Evaluation: perplexity, progress line, token budget, the per-scheme report, and scripts/evaluate.py."""
+"""Evaluation: perplexity, the validation token budget (each token once), the per-scheme report with its progress
+bar, and scripts/evaluate.py."""
 
 from __future__ import annotations
 
