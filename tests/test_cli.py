@@ -50,3 +50,17 @@ def test_large_configs_name_a_real_tokenizer():
     for path in sorted((REPO / "train_configs").glob("*.toml")):
         data = tomllib.loads(path.read_text()).get("data", {})
         assert tokenizer_mismatch(data.get("source", "embedded"), data.get("tokenizer", "embedded")) is None, path
+
+
+def test_probe_batch_is_global_and_must_split_over_the_dp_ranks():
+    from outlier_titan.config.manager import ConfigError, parse_args
+    from outlier_titan.trainer import probe_layout
+
+    cfg = parse_args(["--config", str(REPO / "train_configs/debug.toml"), "--observe.every", "10",
+                      "--observe.batch_size", "6"])
+    assert probe_layout(cfg, 1) == 6 and probe_layout(cfg, 2) == 3 and probe_layout(cfg, 3) == 2
+    with pytest.raises(ConfigError, match=r"observe.batch_size = 6 \(the global probe batch\) is not a positive "
+                                          r"multiple of the data-parallel degree 4; set it to a multiple of 4"):
+        probe_layout(cfg, 4)
+    cfg.observe.every = 0  # no probe: nothing to check
+    probe_layout(cfg, 4)
