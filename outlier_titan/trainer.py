@@ -6,6 +6,8 @@ optimizer -> LR schedule -> data -> checkpoint load -> steps.
 
 from __future__ import annotations
 
+import datetime
+import math
 import signal
 import sys
 import time
@@ -23,6 +25,8 @@ from outlier_titan.checkpoint.manager import Checkpointer, ModelState, Optimizer
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, to_toml
 from outlier_titan.data import build_dataloader, build_tokenizer
+from outlier_titan.data.tokenizer import tokenizer_mismatch
+from outlier_titan.eval.perplexity import validation_budget
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import build_meta_model, count_params, flops_per_token
 from outlier_titan.observe.logger import MetricsLogger, Throughput, peak_memory_gib
@@ -81,6 +85,52 @@ def batch_layout(cfg: JobConfig, dp: int) -> tuple[int, int, int]:
     return local, micro, local // micro
 
 
+def probe_layout(cfg: JobConfig, dp: int) -> int:
+    """Probe sequences per DP rank: ``observe.batch_size`` is global, so every layout reads the same rows."""
+    b = cfg.observe.batch_size
+    if cfg.observe.every and (b < 1 or b % dp):
+        raise ConfigError(f"observe.batch_size = {b} (the global probe batch) is not a positive multiple of the "
+                          f"data-parallel degree {dp}; set it to a multiple of {dp}")
+    return b // dp
+
+
+def hms(seconds: float) -> str:
+    """Seconds as H:MM:SS."""
+    return str(datetime.timedelta(seconds=int(round(max(seconds, 0.0)))))
+
+
+def count(n: float) -> str:
+    """A token count for the console: 950, 12.3k, 4.56M, 1.23B."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf when it overflows."""
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+PROBE_HEADLINE = (("kurtosis first/rest", "kurtosis_first", "kurtosis_rest"),
+                  ("max|act| first/rest", "max_abs_first", "max_abs_rest"),
+                  ("first-token share", "first_token_argmax_share", None),
+                  ("neuron-RMS kurtosis", "kurtosis_neuron_rms", None))
+
+
+def probe_headline(step: int, scalars: dict[str, float]) -> str:
+    """The probe's headline metrics (layer means) as one console line."""
+    parts = []
+    for label, a, b in PROBE_HEADLINE:
+        if f"outliers/{a}" not in scalars:
+            continue
+        value = f"{scalars[f'outliers/{a}']:.3g}"
+        if b is not None and f"outliers/{b}" in scalars:
+            value += f"/{scalars[f'outliers/{b}']:.3g}"
+        parts.append(f"{label} {value}")
+    return f"step {step:>6}  probe  " + "  ".join(parts) + f"  ({scalars['outliers/probe_seconds']:.2f}s)"
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -92,6 +142,7 @@ class Trainer:
         self.mesh = self.dims.build_mesh(device_type)
         self.dp_rank = self.dims.dp_mesh.get_local_rank()
         self.local_batch, self.micro_batch, self.accum_steps = batch_layout(cfg, self.dims.dp)
+        self.probe_local_batch = probe_layout(cfg, self.dims.dp)
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
         apply_initial_model(cfg)  # continued pretraining: the stored model's shape
         self.config_toml = to_toml(cfg)
@@ -117,9 +168,15 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.train_loader = self.build_loader("train", cfg.training.global_batch_size, self.micro_batch)
         self.train_iter = iter(self.train_loader)
-        # Validation always reads the same first batches: one loader, rewound before each evaluation.
-        self.val_loader = (self.build_loader("validation", cfg.training.global_batch_size, self.micro_batch)
-                           if cfg.eval.every else None)
+        # Validation always reads the same first windows, each once: one loader, rewound before each evaluation.
+        self.val_loader = None
+        if cfg.eval.every:
+            self.val_loader = self.build_loader("validation", cfg.training.global_batch_size, self.micro_batch)
+            seq_len = cfg.training.seq_len
+            wanted = cfg.eval.steps * cfg.training.global_batch_size * seq_len
+            asked = "eval.steps x training.global_batch_size x training.seq_len"
+            budget = validation_budget(self.val_loader, seq_len, wanted, asked, warn=self.rank == 0)
+            self.val_windows = budget // seq_len
         self.state = TrainState()
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints", cfg.checkpoint.keep_latest_k,
@@ -146,11 +203,15 @@ class Trainer:
 
     # ---------------------------------------------------------------- step
 
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Token-summed cross entropy divided by the global number of target tokens (compiled with
-        ``compile.enable``, except on vocab-sharded logits, which take the loss-parallel path)."""
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Token-summed cross entropy (labels -100 are ignored); compiled with ``compile.enable``, except on
+        vocab-sharded logits, which take the loss-parallel path."""
         ce = cross_entropy_sum if isinstance(logits, DTensor) else self.cross_entropy
-        return ce(logits, labels) / self.tokens_per_step
+        return ce(logits, labels)
+
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Token-summed cross entropy divided by the global number of target tokens."""
+        return self.loss_sum(logits, labels) / self.tokens_per_step
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.optimizer.zero_grad(set_to_none=True)
@@ -184,26 +245,41 @@ class Trainer:
         return local.item()
 
     @torch.no_grad()
-    def validate(self) -> float:
-        cfg = self.cfg
+    def validate(self) -> tuple[float, int]:
+        """(mean loss, tokens) over the first ``val_windows`` validation windows, each scored once.
+
+        Whole global batches are read; rows past ``val_windows`` (a split smaller than eval.steps batches) are
+        masked out of the loss, so every rank still runs the same forwards (FSDP collectives)."""
+        g = self.cfg.training.global_batch_size
         self.val_loader.load_state_dict({"position": 0})
         self.model.eval()
-        total = torch.zeros((), device=self.device)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
         it = iter(self.val_loader)
-        for _ in range(cfg.eval.steps * self.accum_steps):
-            inputs, labels = next(it)
-            logits = self.model(inputs.to(self.device))
-            with loss_context(logits):
-                total += replicated_value(self.loss_fn(logits, labels.to(self.device)))
+        for step in range(-(-self.val_windows // g)):
+            for micro in range(self.accum_steps):
+                inputs, labels = next(it)
+                first = step * g + self.dp_rank * self.local_batch + micro * self.micro_batch
+                keep = torch.arange(first, first + self.micro_batch) < self.val_windows
+                labels = labels.masked_fill(~keep[:, None], -100).to(self.device)
+                logits = self.model(inputs.to(self.device))
+                with loss_context(logits):
+                    sums[0] += replicated_value(self.loss_sum(logits, labels)).double()
+                sums[1] += int(keep.sum()) * labels.shape[1]
         self.model.train()
-        return self.global_loss(total) / cfg.eval.steps
+        dist.all_reduce(sums, group=self.dims.dp_mesh.get_group())
+        return float(sums[0] / sums[1]), int(sums[1])
 
     # ---------------------------------------------------------------- loop
 
     def train(self) -> None:
         cfg = self.cfg
+        total = cfg.training.steps
         resumed = self.checkpointer.load(cfg.checkpoint.load_step) if cfg.checkpoint.enable else None
         if resumed is not None:
+            if resumed >= total:
+                self.log0(f"{self.run_dir}: already complete ({resumed}/{total} steps); nothing to do (raise "
+                          f"training.steps to train further)")
+                return
             self.train_iter = iter(self.train_loader)
             self.logger.mark_resume(resumed)
             self.log0(f"resumed from {self.checkpointer.folder / f'step-{resumed}'}")
@@ -215,21 +291,30 @@ class Trainer:
                   f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, tp {self.dims.tp}) "
                   f"| batch {cfg.training.global_batch_size}x{cfg.training.seq_len}, "
                   f"micro {self.micro_batch} x {self.accum_steps} | {self.device}")
+        self.log0(self._data_line())
+        mismatch = tokenizer_mismatch(cfg.data.source, cfg.data.tokenizer)
+        if mismatch and self.rank == 0:
+            print(f"warning: {mismatch}", file=sys.stderr, flush=True)
         if self.probe is None and cfg.observe.every > 0:
             self._build_probe()
         self.throughput.reset()
-        while self.state.step < cfg.training.steps:
+        self.t_start, self.step_start = time.perf_counter(), self.state.step
+        self.last_loss = self.last_val = None
+        while self.state.step < total:
             self.state.step += 1
             step = self.state.step
             lr = self.optimizer.param_groups[0]["lr"]
             loss, norm = self.train_step()
             self.throughput.add(self.tokens_per_step)
-            last = step == cfg.training.steps
+            last = step == total
             if step % cfg.metrics.log_every == 0 or last or step == 1:
                 self._log(step, loss, norm, lr)
             if cfg.eval.every and (step % cfg.eval.every == 0 or last):
-                val = self.validate()
-                self.logger.log(step, {"val_loss": val}, console=f"step {step:>6}  val_loss {val:.4f}")
+                val, n = self.validate()
+                self.last_val = val
+                self.logger.log(step, {"val_loss": val, "val_ppl": perplexity(val), "val_tokens": float(n)},
+                                console=f"step {step:>6}/{total}  val_loss {val:.4f}  val_ppl {perplexity(val):.2f}"
+                                        f"  ({n:,} tokens)")
                 self.throughput.reset()
             if self.probe is not None and (step % cfg.observe.every == 0 or last):
                 self._run_probe(step)
@@ -241,13 +326,56 @@ class Trainer:
             if stop:
                 self.log0(f"SIGTERM received: stopped after step {step}")
                 break
+        self.log0(self._summary())
+
+    def _data_line(self) -> str:
+        """Sizes of the splits and how many passes over the training split this run makes."""
+        cfg = self.cfg
+        t = cfg.training.seq_len
+        planned = cfg.training.steps * self.tokens_per_step
+        train_w = self.train_loader.num_windows
+        line = f"data {self.train_loader.description}: train "
+        if train_w is None:
+            line += f"streamed; this run reads {planned:,} tokens"
+        else:
+            line += (f"{train_w * t:,} tokens; this run reads {planned:,} tokens = "
+                     f"{planned / (train_w * t):.3g} epochs")
+        if self.val_loader is not None:
+            line += f" | validation {self.val_windows * t:,} tokens per evaluation"
+            if self.val_loader.num_windows is not None:
+                line += f" (split: {self.val_loader.num_windows * t:,})"
+        return line
+
+    def _progress(self, step: int) -> str:
+        """``step N/total``, tokens seen, elapsed time and the ETA from this session's step rate."""
+        total = self.cfg.training.steps
+        elapsed = time.perf_counter() - self.t_start
+        done = step - self.step_start
+        eta = elapsed / done * (total - step) if done > 0 else 0.0
+        return (f"step {step:>6}/{total}  tokens {count(step * self.tokens_per_step)}  "
+                f"elapsed {hms(elapsed)}  eta {hms(eta)}")
+
+    def _summary(self) -> str:
+        """The end-of-run line: steps, final losses and perplexities, wall time, tokens, run folder."""
+        step, total = self.state.step, self.cfg.training.steps
+        head = "finished" if step >= total else "stopped"
+        parts = [f"{head} {step}/{total} steps in {hms(time.perf_counter() - self.t_start)}",
+                 f"{count(step * self.tokens_per_step)} tokens"]
+        if self.last_loss is not None:
+            parts.append(f"train loss {self.last_loss:.4f} (ppl {perplexity(self.last_loss):.2f})")
+        if self.last_val is not None:
+            parts.append(f"val loss {self.last_val:.4f} (ppl {perplexity(self.last_val):.2f})")
+        parts.append(f"run folder {self.run_dir}")
+        return " | ".join(parts)
 
     def _log(self, step: int, loss: torch.Tensor, norm: torch.Tensor, lr: float) -> None:
         loss_v = self.global_loss(loss)
+        self.last_loss = loss_v
         scalars = {"loss": loss_v, "lr": lr, "grad_norm": float(norm), **self.throughput.read(),
-                   "memory_gib": peak_memory_gib(self.device), "skipped_steps": float(self.state.skipped_steps)}
+                   "memory_gib": peak_memory_gib(self.device), "skipped_steps": float(self.state.skipped_steps),
+                   "tokens": float(step * self.tokens_per_step)}
         mfu = f"  mfu {scalars['mfu']:.1f}%" if "mfu" in scalars else ""
-        line = (f"step {step:>6}  loss {loss_v:.4f}  lr {lr:.2e}  gnorm {scalars['grad_norm']:.3f}  "
+        line = (f"{self._progress(step)}  loss {loss_v:.4f}  lr {lr:.2e}  gnorm {scalars['grad_norm']:.3f}  "
                 f"tok/s {scalars['tokens_per_second']:,.0f}{mfu}  mem {scalars['memory_gib']:.2f}GiB")
         self.logger.log(step, scalars, console=line)
 
@@ -255,7 +383,8 @@ class Trainer:
         from outlier_titan.observe.probe import OutlierProbe
 
         cfg = self.cfg
-        loader = self.build_loader("validation", cfg.observe.batch_size * self.dims.dp, cfg.observe.batch_size)
+        # observe.batch_size is the global probe batch: the same first windows of the split at any layout
+        loader = self.build_loader("validation", cfg.observe.batch_size, self.probe_local_batch)
         self.probe_tokens = next(iter(loader))[0].to(self.device)
         self.probe = OutlierProbe(self.model, cfg.observe, self.mesh)
 
@@ -263,7 +392,7 @@ class Trainer:
         t0 = time.perf_counter()
         scalars, images = self.probe.run(self.probe_tokens)
         scalars["outliers/probe_seconds"] = time.perf_counter() - t0
-        self.logger.log(step, scalars, images)
+        self.logger.log(step, scalars, images, console=probe_headline(step, scalars))
         self.throughput.reset()
 
     def _install_sigterm(self) -> None:

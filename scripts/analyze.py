@@ -4,14 +4,13 @@
     python scripts/analyze.py outputs/adamw outputs/orthoadam --out compare.png
 
 Each RUN_DIR must hold ``metrics.jsonl`` (one JSON object per logged step; records of the same step are
-merged). Panels: the training loss, each outlier metric (layer means, ``outliers/<name>``) against the step,
-and per-layer profiles at the last probe step (``outliers/layer_<i>/<name>``). Each run is one line, labelled
-with its folder name. Also prints the last value of every plotted metric per run.
+merged). Panels: the training loss (solid) with the validation loss (dashed, where logged), each outlier
+metric (layer means, ``outliers/<name>``) against the step, and per-layer profiles at the last probe step
+(``outliers/layer_<i>/<name>``). Each run is one line, labelled with its folder name. Also prints the last value of every plotted metric per run.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import sys
@@ -22,6 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from outlier_titan import cli  # noqa: E402
 from outlier_titan.observe.logger import read_metrics  # noqa: E402
 
 DEFAULT_METRICS = ("kurtosis_first", "kurtosis_rest", "kurtosis_neuron_rms", "max_abs_first", "max_abs_rest",
@@ -78,16 +78,30 @@ def plot(runs: dict[str, dict[int, dict]], metrics: list[str], profiles: list[st
                 ax.set_xlabel("layer")
             else:
                 xs, ys = series(records, key)
-                label = name
+                label = f"{name} (train)" if key == "loss" else name
                 ax.set_xlabel("step")
             if xs:
-                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=label)
+                line, = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=label)
                 drawn = True
+            if key == "loss":
+                vx, vy = series(records, "val_loss")
+                if vx:
+                    ax.plot(vx, vy, ls="--", marker="s", ms=3, color=line.get_color() if xs else None,
+                            label=f"{name} (validation)")
+                    drawn = True
         ax.set_title(title if key is not None else f"{title} per layer (last probe)", fontsize=10)
+        if key == "loss":
+            ax.set_ylabel("cross entropy (nats/token)")
         if drawn:
-            if any(t in title for t in LOG_SCALE) and all(
-                    y > 0 for line in ax.get_lines() for y in line.get_ydata()):
+            values = [y for line in ax.get_lines() for y in line.get_ydata()]
+            positive = all(y > 0 for y in values)
+            wide = positive and max(values) > 3 * min(values)  # e.g. a loss falling from 10 to 3
+            if positive and (any(t in title for t in LOG_SCALE) or (key == "loss" and wide)):
                 ax.set_yscale("log")
+            if key is not None:
+                ax.set_xlim(left=0)
+            else:
+                ax.xaxis.get_major_locator().set_params(integer=True)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         else:
@@ -101,7 +115,7 @@ def plot(runs: dict[str, dict[int, dict]], metrics: list[str], profiles: list[st
 
 
 def summary(runs: dict[str, dict[int, dict]], metrics: list[str]) -> str:
-    keys = ["loss"] + [f"outliers/{m}" for m in metrics]
+    keys = ["loss", "val_loss"] + [f"outliers/{m}" for m in metrics]
     head = "| metric | " + " | ".join(runs) + " |"
     lines = [head, "|---" * (len(runs) + 1) + "|"]
     for k in keys:
@@ -114,7 +128,7 @@ def summary(runs: dict[str, dict[int, dict]], metrics: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.parser(__doc__)
     p.add_argument("runs", nargs="+", type=Path, help="run folders (each with metrics.jsonl)")
     p.add_argument("--out", type=Path, required=True, help="PNG to write")
     p.add_argument("--metrics", default=",".join(DEFAULT_METRICS),

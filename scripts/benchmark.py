@@ -19,7 +19,6 @@ optimizer step as a share of a whole training step (forward + backward + step).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import platform
 import statistics
@@ -28,11 +27,13 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from outlier_titan import cli  # noqa: E402
 from outlier_titan.optim.orthoadam import OrthoAdam  # noqa: E402
 from outlier_titan.optim.soap import SOAP  # noqa: E402
 from outlier_titan.optim.tile_engine import EngineOptions  # noqa: E402
@@ -192,7 +193,10 @@ def markdown(results: list[dict], args, command: str) -> str:
 def run_optim(args, command: str) -> list[dict]:
     torch.set_grad_enabled(True)
     results = []
-    for shape_set, tile in [(s, int(t)) for s in args.shapes.split(",") for t in args.tile_sizes.split(",")]:
+    jobs = [(s, int(t)) for s in args.shapes.split(",") for t in args.tile_sizes.split(",")]
+    print(f"optim: {len(jobs)} shape set x tile size combination(s), {args.reps} interleaved reps of AdamW, "
+          f"OrthoAdam and SOAP each; a line per combination as it finishes, then the tables", flush=True)
+    for shape_set, tile in tqdm(jobs, desc="optim", unit="combination"):
         args.tile_size = tile
         if shape_set == "gpt2_124m":
             params = {n: torch.nn.Parameter(torch.randn(s) * 0.02) for n, s in gpt2_124m_shapes()}
@@ -207,9 +211,9 @@ def run_optim(args, command: str) -> list[dict]:
         r.pop("opts")
         r["tile"] = tile
         results.append(r)
-        print(f"{r['label']} tile {tile}: AdamW {r['median_s']['adamw'] * 1e3:.1f} ms, OrthoAdam x"
-              f"{r['ratio_median']['orthoadam']:.2f}, SOAP x{r['ratio_mean']['soap']:.2f} (amortised); "
-              f"bytes/param {', '.join(f'{k} {v:.1f}' for k, v in r['bytes_per_param'].items())}", flush=True)
+        tqdm.write(f"{r['label']} tile {tile}: AdamW {r['median_s']['adamw'] * 1e3:.1f} ms, OrthoAdam x"
+                   f"{r['ratio_median']['orthoadam']:.2f}, SOAP x{r['ratio_mean']['soap']:.2f} (amortised); "
+                   f"bytes/param {', '.join(f'{k} {v:.1f}' for k, v in r['bytes_per_param'].items())}")
     text = markdown(results, args, command)
     print(text)
     if args.markdown:
@@ -233,7 +237,7 @@ def run_probe(args, command: str) -> dict:
         trainer._build_probe()
         probe_every = max(1, args.steps // args.probes)
         step_times, probe_times = [], []
-        for i in range(args.warmup + args.steps):
+        for i in tqdm(range(args.warmup + args.steps), desc="probe benchmark", unit="step"):
             t0 = time.perf_counter()
             trainer.train_step()
             if i >= args.warmup:
@@ -256,28 +260,31 @@ def run_probe(args, command: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
-    o = sub.add_parser("optim", help="optimizer step time of OrthoAdam and SOAP relative to AdamW")
+    o = sub.add_parser("optim", help="optimizer step time of OrthoAdam and SOAP relative to AdamW",
+                       formatter_class=cli.HelpFormatter)
     o.add_argument("--shapes", default="gpt2_124m,debug", help="comma list of: gpt2_124m, debug")
     o.add_argument("--tile-sizes", default="256,64", help="comma list of optimizer.tile_size values")
-    o.add_argument("--basis", default="hadamard", choices=("hadamard", "haar"))
+    o.add_argument("--basis", default="hadamard", choices=("hadamard", "haar"), help="OrthoAdam basis")
     o.add_argument("--frequency", type=int, default=10, help="SOAP precondition_frequency")
-    o.add_argument("--soap-factor-dtype", default="float64", choices=("float64", "float32"))
+    o.add_argument("--soap-factor-dtype", default="float64", choices=("float64", "float32"),
+                   help="dtype of SOAP's factor EMAs")
     o.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
-    o.add_argument("--steps-per-rep", type=int, default=2)
+    o.add_argument("--steps-per-rep", type=int, default=2, help="timed optimizer steps per repetition")
     o.add_argument("--batch", type=int, default=8, help="debug train-step share: sequences")
     o.add_argument("--seq-len", type=int, default=256, help="debug train-step share: tokens per sequence")
     o.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: stable timings on a shared machine; OpenMP spin-waits under load)")
     o.add_argument("--markdown", default="", help="also write the markdown tables to this file")
-    p = sub.add_parser("probe", help="outlier-probe cost relative to training steps (debug model)")
+    p = sub.add_parser("probe", help="outlier-probe cost relative to training steps (debug model)",
+                       formatter_class=cli.HelpFormatter)
     p.add_argument("--every", type=int, default=100, help="observe.every the drop is reported for")
     p.add_argument("--steps", type=int, default=40, help="timed training steps")
     p.add_argument("--probes", type=int, default=8, help="timed probe runs, interleaved with the steps")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--mode", default="full", choices=("full", "cheap"))
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=3, help="untimed training steps first")
+    p.add_argument("--mode", default="full", choices=("full", "cheap"), help="observe.mode")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args(argv)
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)

@@ -9,7 +9,8 @@ model, data and tokenizer. A run folder or its ``checkpoints`` folder selects th
 built at world size 1 and loaded from a DCP checkpoint of any world size.
 
 Writes ``FILE`` (JSON; default ``<run>/eval/step-<N>.json``), the markdown table next to it (``.md``) and the
-probe pictures (``.<name>.png``, if matplotlib is installed), and prints the table.
+probe pictures (``.<name>.png``: the attention map on a fixed log scale, the hidden-state magnitudes with their
+colour range; the same labelled pictures as TensorBoard's), and prints the table.
 
 Schemes: int8_fine, int8_fine_token, int8_moderate, int8_coarse (seed 000 absmax int8), int4_zeropoint (seed
 000), w8a8_static (seed 002: calibrated on ``--calib-batches`` training batches per seed, ``--calib-seeds``
@@ -35,28 +36,31 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from outlier_titan import cli  # noqa: E402
 from outlier_titan.errors import UserError  # noqa: E402
 from outlier_titan.quant.ptq import SCHEMES  # noqa: E402
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="<run>/checkpoints/step-<N> (or a run folder: newest)")
     src.add_argument("--hf", help="a Hugging Face model folder (GPT-2 / Llama) or an export of scripts/export.py")
     p.add_argument("--tokenizer", default=None, help="data.tokenizer for the model (default: the folder's / run's)")
     p.add_argument("--data", default=None, help="data.source to evaluate on (default: the run's / embedded)")
-    p.add_argument("--tokens", type=int, default=65536, help="validation tokens for each perplexity")
+    p.add_argument("--tokens", type=int, default=65536,
+                   help="validation tokens for each perplexity; a smaller validation split is scored once, "
+                        "whole, with a warning")
     p.add_argument("--out", default=None, help="JSON report path (default <run>/eval/step-<N>.json)")
-    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes (default: all)")
+    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: training.seq_len)")
     p.add_argument("--calib-batches", type=int, default=4, help="w8a8_static: calibration batches per seed")
     p.add_argument("--calib-seeds", type=int, default=3, help="w8a8_static: calibration seeds (mean ± std)")
     p.add_argument("--probe-sequences", type=int, default=None,
                    help="validation sequences for the probe metrics (default: observe.batch_size x 4)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda when available, else cpu")
     return p.parse_args(argv)
 
 
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     from outlier_titan.checkpoint.manager import resolve_checkpoint_dir
     from outlier_titan.data import build_dataloader
-    from outlier_titan.eval.perplexity import take_batches
+    from outlier_titan.eval.perplexity import take_batches, validation_budget
     from outlier_titan.eval.report import markdown
     from outlier_titan.eval.runner import evaluate_model
 
@@ -113,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
         return build_dataloader(cfg.data, tokenizer, seq_len=seq_len, global_batch_size=bs, micro_batch_size=bs,
                                 dp_rank=0, dp_degree=1, split=split, seed=seed)
 
-    eval_batches = take_batches(loader("validation", cfg.training.seed), args.tokens)
+    val = loader("validation", cfg.training.seed)
+    budget = validation_budget(val, seq_len, args.tokens, "--tokens")
+    eval_batches = take_batches(val, budget)
     n_probe = args.probe_sequences or cfg.observe.batch_size * 4
     probe_rows = torch.cat([inputs for inputs, _ in eval_batches])[:n_probe]
     probe_tokens = list(probe_rows.split(max(1, cfg.observe.batch_size)))
@@ -129,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     report, images = evaluate_model(model, eval_batches=eval_batches, probe_tokens=probe_tokens,
                                     calib_batches=calib, schemes=schemes, calib_seeds=range(args.calib_seeds),
                                     device=device)
-    report = {"checkpoint": str(ckpt), "run": str(run_dir), **report,
+    report = {"checkpoint": str(ckpt), "run": str(run_dir), **report, "tokens_requested": args.tokens,
               "calibration": {"batches": args.calib_batches, "seeds": args.calib_seeds, "split": "train"}}
     m = re.match(r"step-(\d+)$", ckpt.name)
     if m:
@@ -147,12 +153,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def save_images(images: dict, out: Path) -> list[Path]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
+    """Writes the probe's pictures (HWC uint8, already labelled) next to ``out`` as PNG files."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     paths = []
     for name, img in images.items():
         path = out.with_suffix(f".{name.split('/')[-1]}.png")

@@ -9,7 +9,6 @@ split of ``--source`` (``embedded`` = this Python's standard library, in sorted 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from outlier_titan import cli
 from outlier_titan.data.bpe_train import count_words, train_bpe, write_bpe_file
 from outlier_titan.data.sources import embedded_corpus, local_corpus
 from outlier_titan.data.tokenizer import build_tokenizer
@@ -32,7 +32,7 @@ def _corpus(source: str, split: str, text_field: str, val_fraction: float):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--vocab_size", type=int, default=4096, help="total vocabulary including <|endoftext|>")
     ap.add_argument("--out", default="assets/tokenizer/stdlib_bpe.tiktoken", help="output rank file")
     ap.add_argument("--source", default="embedded", help="'embedded' or a path to .txt/.jsonl/.parquet data")

@@ -25,7 +25,8 @@ def write_run(folder: Path, kurt_scale: float) -> Path:
     for step in range(0, 101, 10):
         lines.append({"step": step, "loss": 5.0 - step / 50, "lr": 1e-3, "grad_norm": 1.0,
                       "tokens_per_second": 1000.0})
-        if step % 50 == 0:  # probe records arrive as separate lines of the same step
+        if step % 50 == 0:  # validation and probe records arrive as separate lines of the same step
+            lines.append({"step": step, "val_loss": 5.5 - step / 50, "val_ppl": 1.0})
             rec = {"step": step, "outliers/kurtosis_first": kurt_scale * (1 + step),
                    "outliers/kurtosis_rest": 3.0, "outliers/first_token_argmax_share": 0.5,
                    "outliers/max_abs_first": "nan"}
@@ -58,6 +59,7 @@ def test_two_runs_side_by_side_png(tmp_path, capsys):
     assert "| metric | adamw | orthoadam |" in table
     assert "| outliers/kurtosis_first | 1010 (step 100) | 1.01 (step 100) |" in table
     assert "| outliers/signal_prop_cos | - | - |" in table
+    assert "| val_loss | 3.5 (step 100) | 3.5 (step 100) |" in table  # drawn dashed on the loss panel
 
 
 def test_missing_metrics_file(tmp_path):

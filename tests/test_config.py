@@ -25,8 +25,9 @@ def test_type_conversion_of_cli_values():
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--training.stpes", "3"], "did you mean 'steps'"),
-    (["--trainig.steps", "3"], "did you mean 'training'"),
+    (["--training.stpes", "3"], "did you mean 'training.steps'"),
+    (["--trainig.steps", "3"], "did you mean 'training.steps'"),
+    (["--training.tokenizer", "x"], "did you mean 'data.tokenizer'"),
     (["--training.steps", "three"], "training.steps: expected int"),
     (["--optimizer.name", "lion"], "choose one of"),
     (["--training.global_batch_size", "0"], "training.global_batch_size must be > 0"),

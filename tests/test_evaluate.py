@@ -1,4 +1,5 @@
-"""Evaluation: perplexity, progress line, token budget, the per-scheme report, and scripts/evaluate.py."""
+"""Evaluation: perplexity, the validation token budget (each token once), the per-scheme report with its progress
+bar, and scripts/evaluate.py."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import io
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
 from outlier_titan.config.job_config import Model
-from outlier_titan.eval.perplexity import Progress, perplexity, take_batches
+from outlier_titan.eval.perplexity import perplexity, take_batches, validation_budget
 from outlier_titan.eval.report import markdown
 from outlier_titan.eval.runner import evaluate_model
 from outlier_titan.models.init import Initializer
@@ -61,14 +63,32 @@ def test_take_batches_cuts_to_whole_rows():
         take_batches(batches(1), 0)
 
 
-def test_progress_line():
-    s = io.StringIO()
-    p = Progress("fp", 100, stream=s)
-    for _ in range(10):
-        p.update(10)
-    p.close()
-    lines = s.getvalue().splitlines()
-    assert len(lines) == 4 and lines[-1].startswith("fp [") and "100% 100/100" in lines[-1]
+def test_small_validation_split_is_scored_once_whole(tmp_path, capsys):
+    """A split smaller than the budget: every window once (count = the split's predicted tokens), a warning."""
+    from outlier_titan.config.job_config import Data
+    from outlier_titan.data import build_dataloader, build_tokenizer
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"{i}.txt").write_text(f"document {i}: the quick brown fox jumps over the lazy dog. " * 10)
+    tok = build_tokenizer("embedded")
+    cfg = Data(source=str(corpus), val_fraction=0.5, cache_dir=str(tmp_path / "cache"))
+    seq_len = 16
+    val = build_dataloader(cfg, tok, split="validation", seq_len=seq_len, global_batch_size=4, micro_batch_size=4,
+                           dp_rank=0, dp_degree=1)
+    n_split = int(val.cache_info["tokens"])
+    windows = (n_split - 1) // seq_len
+    assert windows == val.num_windows and windows >= 5
+    budget = validation_budget(val, seq_len, 65536, "--tokens")
+    assert "fewer than the 65,536 asked by --tokens" in capsys.readouterr().err
+    got = take_batches(val, budget)
+    scored = sum(labels.numel() for _, labels in got)
+    assert scored == budget == windows * seq_len and scored <= n_split - 1
+    labels = torch.cat([lab for _, lab in got]).flatten()
+    stream = torch.from_numpy(np.load(val.cache_path).astype(np.int64))
+    assert torch.equal(labels, stream[1:1 + scored])  # each predicted token once, in order, no wrap-around
+    assert validation_budget(val, seq_len, 32, "--tokens") == 32 and capsys.readouterr().err == ""
 
 
 def debug_model():
@@ -99,7 +119,8 @@ def test_evaluate_model_reports_every_scheme():
     w8 = next(e for e in report["schemes"] if e["scheme"] == "w8a8_static")
     assert len(w8["ppl_runs"]) == 2 and calls == [0, 1] and w8["head"] == "fp (tied to the embedding)"
     assert "outliers/kurtosis_first" in report["probe"] and "outliers/attention_map" in images
-    assert "full precision [" in s.getvalue()
+    progress = s.getvalue()  # one tqdm bar over full precision + every scheme run (2 seeds for w8a8_static)
+    assert progress.count("100%") == 1 and "w8a8_static (calibration seed 1): 100%" in progress
     # the model is restored after every scheme
     assert perplexity(m, evals, "cpu").ppl == pytest.approx(fp, rel=1e-12)
     table = markdown({**report, "checkpoint": "x/step-1"})
@@ -153,4 +174,4 @@ def test_evaluate_script_on_a_real_fsdp_checkpoint(tmp_path, capsys):
     assert table in out.out and "| int4_zeropoint |" in table
     assert (run.run_dir / "eval" / "step-3.attention_map.png").is_file()
     assert (run.run_dir / "eval" / "step-3.hidden_magnitude.png").is_file()
-    assert "full precision [" in out.err
+    assert "w8a8_static (calibration seed 1)" in out.err

@@ -100,9 +100,9 @@ def test_images_are_hwc_uint8(gpt2):
         assert img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3, name
         assert 64 <= img.shape[0] <= 2048 and 64 <= img.shape[1] <= 2048, (name, img.shape)
         assert img.std() > 0, name
-    assert images["outliers/attention_map"].shape[:2] == (256, 256)  # 16 tokens x 16 px
-    hm = images["outliers/hidden_magnitude"]
-    assert tuple(hm[0, 0]) == (220, 40, 40)  # the first-token rows are marked red
+        # the first token is marked in red (#dc2828: the key-0 outline; the first-token panel's title)
+        red = (np.abs(img.astype(int) - (220, 40, 40)).max(-1) < 40).sum()
+        assert red > 20, name
 
 
 def test_cheap_mode_skips_attention_and_images(gpt2):

@@ -112,3 +112,32 @@ def test_tp_logits_stay_vocab_sharded_and_the_parallel_loss_is_exact():
                            str(REPO / "tests/dist/loss_parallel_worker.py")], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_probe_metrics_are_the_same_at_every_layout(tmp_path):
+    """observe.batch_size is global: 1 rank, FSDP 2 and FSDP 2 x TP 2 probe the same sequences and agree. The
+    validation split (15 windows) is smaller than eval.steps global batches: every layout scores it whole, once,
+    with the tail rows of the second batch masked on whichever rank holds them."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"{i}.txt").write_text(f"text {i}: " + "the quick brown fox jumps over the lazy dog. " * 23)
+    probe = [*TINY, "--model.flavor", "debug_llama", "--training.steps", "2", "--observe.every", "1",
+             "--eval.every", "2", "--eval.steps", "4", "--data.source", str(corpus), "--data.val_fraction", "0.5",
+             "--data.cache_dir", str(tmp_path / "cache")]
+    runs = {name: train(tmp_path, *probe, *extra, nproc=nproc, name=name).check()
+            for name, (nproc, extra) in {"one": (1, []), **{k: LAYOUTS[k] for k in ("fsdp2", "fsdp2_tp2")}}.items()}
+
+    def metrics(run):
+        return {(r["step"], k): v for r in run.records for k, v in r.items()
+                if (k.startswith("outliers/") and k != "outliers/probe_seconds") or k.startswith("val_")}
+
+    ref = metrics(runs["one"])
+    assert {s for s, _ in ref} == {1, 2} and (2, "outliers/first_token_argmax_share") in ref
+    assert ref[(2, "val_tokens")] == 15 * 64
+    for name in ("fsdp2", "fsdp2_tp2"):
+        got = metrics(runs[name])
+        assert got.keys() == ref.keys(), name
+        for key, v in ref.items():
+            assert got[key] == pytest.approx(v, rel=1e-5, abs=1e-7), (name, key)

@@ -172,3 +172,39 @@ def test_non_finite_gradient_skips_the_update(tmp_path, monkeypatch):
             torch.testing.assert_close(p.detach().to_local(), before[n], equal_nan=True, rtol=0, atol=0)
     finally:
         trainer.close()
+
+
+def test_console_progress_summary_small_validation_split_and_finished_rerun(tmp_path):
+    """Console: step N/total with tokens, elapsed and ETA, an end summary, and 'already complete' on a re-run.
+    A validation split smaller than eval.steps batches is scored once, whole, with a warning."""
+    import math
+
+    import numpy as np
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"{i}.txt").write_text(f"text {i}: " + "the quick brown fox jumps over the lazy dog. " * 23)
+    args = [*TINY, "--training.steps", "4", "--eval.every", "2", "--eval.steps", "4", "--checkpoint.enable", "true",
+            "--checkpoint.interval", "4", "--data.source", str(corpus), "--data.val_fraction", "0.5",
+            "--data.cache_dir", str(tmp_path / "cache")]
+    run = train(tmp_path, *args).check()
+    lines = run.stdout.splitlines()
+    step_lines = [line for line in lines if line.startswith("step") and " loss " in line]
+    assert [line.split()[1] for line in step_lines] == ["1/4", "2/4", "3/4", "4/4"]
+    assert all("elapsed 0:00:" in line and " eta " in line and " tokens " in line for line in step_lines)
+    assert "tokens 2.05k" in step_lines[-1]  # 4 steps x 8 sequences x 64 tokens
+    summary = lines[-1]
+    assert summary.startswith("finished 4/4 steps in ") and str(run.run_dir) in summary
+    assert "train loss" in summary and "val loss" in summary and "(ppl " in summary
+    # the validation split: every window once, not eval.steps x global batch rows cycled
+    cached = [p for p in (tmp_path / "cache" / "tokens").glob("*-validation-*.npy")]
+    windows = (len(np.load(cached[0], mmap_mode="r")) - 1) // 64
+    assert 0 < windows < 4 * 8 and windows % 8  # the last validation batch is partly masked
+    assert "fewer than the 2,048 asked by eval.steps" in run.stderr
+    val = [r for r in run.records if "val_loss" in r]
+    assert [r["val_tokens"] for r in val] == [windows * 64.0] * 2
+    assert val[-1]["val_ppl"] == pytest.approx(math.exp(val[-1]["val_loss"]), rel=1e-9)
+    assert all("time" in r and "elapsed" in r for r in run.records if "loss" in r)
+    again = train(tmp_path, *args).check()
+    assert "already complete (4/4 steps)" in again.stdout and "loss" not in again.stdout

@@ -189,7 +189,9 @@ class Eval:
 @dataclass
 class Observe:
     every: int = opt(0, "Outlier probe every N steps (0 = off).")
-    batch_size: int = opt(4, "Sequences in the fixed held-out probe batch.")
+    batch_size: int = opt(4, "Sequences in the fixed held-out probe batch, over all ranks (global, like "
+                             "training.global_batch_size; a multiple of the data-parallel degree), so every "
+                             "layout probes the same sequences.")
     mode: str = opt("full", "cheap: residual-stream metrics only; full: also attention and pictures.",
                     ("cheap", "full"))
     kurtosis_centered: bool = opt(False, "Also log seed 002 authors' centred neuron-RMS kurtosis (~ Kurt - 1).")

@@ -41,6 +41,25 @@ def _suggest(name: str, options: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else f"; valid: {', '.join(sorted(options))}"
 
 
+def _suggest_key(cfg: JobConfig, sec_name: str, key: str) -> str:
+    """A hint naming full keys (``training.steps``): a close key of the same section, else the same or a close
+    key in another section, else the section's keys."""
+    sections = _sections(cfg)
+    own = list(_field_map(sections[sec_name]))
+    close = difflib.get_close_matches(key, own, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{sec_name}.{close[0]}'?"
+    others: dict[str, str] = {}  # key -> its first section's full key
+    for s, section in sections.items():
+        for k in _field_map(section):
+            if s != sec_name:
+                others.setdefault(k, f"{s}.{k}")
+    close = difflib.get_close_matches(key, list(others), n=1, cutoff=0.75)
+    if close:
+        return f"; did you mean '{others[close[0]]}'?"
+    return f"; valid: {', '.join(f'{sec_name}.{k}' for k in sorted(own))}"
+
+
 def _hint_type(section: Any, key: str) -> tuple[type, bool]:
     """The base type of a field and whether it accepts None."""
     hint = typing.get_type_hints(type(section))[key]
@@ -95,11 +114,14 @@ def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
     sec_name, key = dotted.split(".", 1)
     sections = _sections(cfg)
     if sec_name not in sections:
+        close = difflib.get_close_matches(sec_name, list(sections), n=1, cutoff=0.5)
+        if close and key in _field_map(sections[close[0]]):
+            raise ConfigError(f"unknown section '{sec_name}'; did you mean '{close[0]}.{key}'?")
         raise ConfigError(f"unknown section '{sec_name}'{_suggest(sec_name, list(sections))}")
     section = sections[sec_name]
     fields = _field_map(section)
     if key not in fields:
-        raise ConfigError(f"unknown key '{dotted}'{_suggest(key, list(fields))}")
+        raise ConfigError(f"unknown key '{dotted}'{_suggest_key(cfg, sec_name, key)}")
     base, optional = _hint_type(section, key)
     converted = _convert(value, dotted, base, optional, from_cli)
     choices = fields[key].metadata.get("choices")

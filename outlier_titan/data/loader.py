@@ -43,6 +43,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset
+from tqdm import tqdm
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from outlier_titan.data.pretokenized import is_pretokenized, open_split
@@ -108,7 +109,8 @@ def _atomic_json(path: Path, data: dict) -> None:
 
 
 def _write_tokens(corpus: FileCorpus, tokenizer: Tokenizer, final: Path) -> dict:
-    """Tokenizes ``corpus`` into ``final`` (.npy) through temporary files; returns the summary."""
+    """Tokenizes ``corpus`` into ``final`` (.npy) through temporary files (tqdm progress on stderr); returns the
+    summary."""
     dtype = _token_dtype(tokenizer)
     t0 = time.perf_counter()
     n_docs = n_tokens = 0
@@ -116,7 +118,8 @@ def _write_tokens(corpus: FileCorpus, tokenizer: Tokenizer, final: Path) -> dict
     fd2, npy_path = tempfile.mkstemp(dir=final.parent, prefix=final.stem + ".", suffix=".npy.tmp")
     os.close(fd2)
     try:
-        with os.fdopen(fd, "wb") as raw:
+        with os.fdopen(fd, "wb") as raw, tqdm(desc=f"tokenizing {corpus.describe()} ({corpus.split})",
+                                              unit="doc", unit_scale=True, mininterval=2.0) as bar:
             batch: list[str] = []
             chars = 0
 
@@ -129,6 +132,8 @@ def _write_tokens(corpus: FileCorpus, tokenizer: Tokenizer, final: Path) -> dict
                 np.asarray(flat, dtype=dtype).tofile(raw)
                 n_docs += len(batch)
                 n_tokens += len(flat)
+                bar.update(len(batch))
+                bar.set_postfix(tokens=f"{n_tokens:,}", refresh=False)
                 batch.clear()
 
             for doc in corpus.documents():

@@ -1,53 +1,15 @@
-"""Validation perplexity of a language model on a fixed token budget, with a stderr progress line."""
+"""Validation perplexity of a language model on a fixed token budget (each validation token scored once)."""
 
 from __future__ import annotations
 
 import math
 import sys
-import time
 from dataclasses import dataclass
-from typing import Iterable, TextIO
+from typing import Iterable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-
-class Progress:
-    """A one-line progress indicator on stderr: ``label [#####.....] 52% 34,816/65,536 2.1s``.
-
-    On a terminal the line is redrawn in place; otherwise (logs, CI) a line is written at every 25 %.
-    """
-
-    def __init__(self, label: str, total: int, stream: TextIO | None = None, width: int = 24):
-        self.label, self.total, self.width = label, max(1, int(total)), width
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.t0 = time.perf_counter()
-        self.done = 0
-        self._next_quarter = 0.25
-
-    def _line(self) -> str:
-        frac = min(1.0, self.done / self.total)
-        bar = "#" * int(round(frac * self.width))
-        return (f"{self.label} [{bar:<{self.width}}] {frac * 100:3.0f}% {self.done:,}/{self.total:,} "
-                f"{time.perf_counter() - self.t0:.1f}s")
-
-    def update(self, n: int) -> None:
-        self.done += int(n)
-        if self.tty:
-            self.stream.write("\r" + self._line())
-            self.stream.flush()
-        elif self.done / self.total >= self._next_quarter:
-            while self.done / self.total >= self._next_quarter:
-                self._next_quarter += 0.25
-            self.stream.write(self._line() + "\n")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\r" + self._line() + "\n")
-            self.stream.flush()
 
 
 @dataclass
@@ -62,6 +24,20 @@ class PerplexityResult:
     @property
     def ppl(self) -> float:
         return math.exp(self.loss)
+
+
+def validation_budget(loader, seq_len: int, wanted_tokens: int, asked_by: str, warn: bool = True) -> int:
+    """Predicted tokens to score: ``wanted_tokens``, or the whole validation split of ``loader`` when it is
+    smaller (with a warning on stderr), so that no validation token is scored twice. Streams have no known
+    length and get ``wanted_tokens``."""
+    windows = loader.num_windows
+    if windows is None or windows * seq_len >= wanted_tokens:
+        return wanted_tokens
+    if warn:
+        print(f"warning: the validation split has only {windows * seq_len:,} tokens to predict ({windows:,} sequences "
+              f"of {seq_len}), fewer than the {wanted_tokens:,} asked by {asked_by}; each is scored once",
+              file=sys.stderr, flush=True)
+    return windows * seq_len
 
 
 def take_batches(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], max_tokens: int
@@ -85,8 +61,9 @@ def take_batches(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], max_token
 
 @torch.no_grad()
 def perplexity(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str,
-               progress: Progress | None = None) -> PerplexityResult:
-    """exp(mean token cross-entropy) over ``batches`` (float32 log-softmax, summed in float64)."""
+               progress=None) -> PerplexityResult:
+    """exp(mean token cross-entropy) over ``batches`` (float32 log-softmax, summed in float64); ``progress``
+    (a tqdm bar) is advanced by the tokens of each batch."""
     tokens = 0
     total = torch.zeros((), dtype=torch.float64, device=device)
     for inputs, labels in batches:
@@ -96,7 +73,4 @@ def perplexity(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]
         tokens += labels.numel()
         if progress is not None:
             progress.update(labels.numel())
-    nll = float(total)
-    if progress is not None:
-        progress.close()
-    return PerplexityResult(nll, tokens)
+    return PerplexityResult(float(total), tokens)

@@ -11,9 +11,10 @@ from typing import Callable, Sequence, TextIO
 import numpy as np
 import torch
 import torch.nn as nn
+from tqdm import tqdm
 
 from outlier_titan.config.job_config import Observe
-from outlier_titan.eval.perplexity import Progress, perplexity
+from outlier_titan.eval.perplexity import perplexity
 from outlier_titan.eval.report import scheme_entry
 from outlier_titan.observe.probe import OutlierProbe
 from outlier_titan.quant.ptq import SCHEMES, quantized
@@ -34,21 +35,25 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
         raise ValueError(f"unknown quantisation scheme(s) {', '.join(unknown)}; available: {', '.join(SCHEMES)}")
     model.eval()
     total = sum(labels.numel() for _, labels in eval_batches)
-    fp = perplexity(model, eval_batches, device, Progress("full precision", total, stream))
-    probe_scalars, images = OutlierProbe(model, Observe(mode="full", kurtosis_centered=True)).measure(
-        [t.to(device) for t in probe_tokens])
-    entries = []
-    for name in schemes:
-        scheme = SCHEMES[name]
-        seeds = list(calib_seeds) if scheme.calibrate else [None]
-        ppls, head, weights = [], "", {}
-        for seed in seeds:
-            calib = [t.to(device) for t in calib_batches(seed)] if scheme.calibrate else None
-            label = name if seed is None else f"{name} (calibration seed {seed})"
-            with quantized(model, scheme, calib, weight_cache=weights) as info:
-                ppls.append(perplexity(model, eval_batches, device, Progress(label, total, stream)).ppl)
-            head = info["head"]
-        entries.append(scheme_entry(name, scheme.description, head, ppls, fp.ppl))
+    runs = 1 + sum(len(calib_seeds) if SCHEMES[name].calibrate else 1 for name in schemes)
+    # one bar over every perplexity pass (full precision, then each scheme and calibration seed)
+    with tqdm(total=total * runs, desc="full precision", unit="tok", unit_scale=True, file=stream,
+              dynamic_ncols=True) as bar:
+        fp = perplexity(model, eval_batches, device, bar)
+        probe_scalars, images = OutlierProbe(model, Observe(mode="full", kurtosis_centered=True)).measure(
+            [t.to(device) for t in probe_tokens])
+        entries = []
+        for name in schemes:
+            scheme = SCHEMES[name]
+            seeds = list(calib_seeds) if scheme.calibrate else [None]
+            ppls, head, weights = [], "", {}
+            for seed in seeds:
+                calib = [t.to(device) for t in calib_batches(seed)] if scheme.calibrate else None
+                bar.set_description(name if seed is None else f"{name} (calibration seed {seed})")
+                with quantized(model, scheme, calib, weight_cache=weights) as info:
+                    ppls.append(perplexity(model, eval_batches, device, bar).ppl)
+                head = info["head"]
+            entries.append(scheme_entry(name, scheme.description, head, ppls, fp.ppl))
     report = {
         "tokens": fp.tokens,
         "seq_len": int(eval_batches[0][0].shape[1]),

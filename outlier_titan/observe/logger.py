@@ -1,5 +1,8 @@
 """Training metrics: one console line, ``metrics.jsonl`` and TensorBoard, written by rank 0.
 
+Every ``metrics.jsonl`` record carries ``time`` (Unix wall-clock seconds) and ``elapsed`` (seconds since this
+process's logger was created, i.e. since the start of this launch; a resumed run starts again from 0).
+
 Also throughput, MFU (against a peak looked up by device name; omitted, with a warning, when the device is
 unknown or a CPU) and peak memory.
 """
@@ -60,6 +63,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, rank: int, tensorboard: bool):
         self.enabled = rank == 0
+        self.t0 = time.perf_counter()
         self.jsonl = None
         self.tb = None
         if not self.enabled:
@@ -75,7 +79,8 @@ class MetricsLogger:
             console: str | None = None) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: _json_float(v) for k, v in scalars.items()}}
+        record = {"step": step, "time": round(time.time(), 3), "elapsed": round(time.perf_counter() - self.t0, 3),
+                  **{k: _json_float(v) for k, v in scalars.items()}}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.tb is not None:

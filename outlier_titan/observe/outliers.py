@@ -21,6 +21,10 @@ Definitions (see ``shared/reference``):
   per sample; both averaged over samples.
 * seed 000 §3.5/3.6 **first-token attention**: the share of (query, head) pairs whose most-attended key is
   key 0 (ties: lowest index; the sink is not a candidate) and the mean probability on key 0.
+* **attention sink mass** (softmax-1 only): the mean probability kept by softmax-1's implicit sink,
+  ``1 - sum_j A_ij`` = ``1 / (1 + sum_j exp(s_ij))``, i.e. how much a query "attends to nothing". Under plain
+  softmax the rows sum to 1, so it is zero by construction (what is left is float rounding noise) and it is
+  not reported; under both, seed 000 §3.6's first-key mass is the comparable quantity.
 
 Everything that has to be reduced across data-parallel ranks is expressed as **sums** (:func:`residual_sums`,
 :func:`attention_sums`), so the distributed probe adds them up and finalises once
@@ -214,8 +218,11 @@ def finalize_residual(s: dict[str, torch.Tensor]) -> dict[str, float]:
     return out
 
 
-def attention_sums(probs: torch.Tensor, map_size: int = 0) -> dict[str, torch.Tensor]:
+def attention_sums(probs: torch.Tensor, map_size: int = 0, sink: bool = False) -> dict[str, torch.Tensor]:
     """Sufficient statistics of one layer's attention probabilities [B, H, T, T] as float64 sums.
+
+    ``sink``: the probabilities come from softmax-1, whose rows sum to < 1; the mass left to the sink is
+    then summed too (``attention_sink_mass``).
 
     With ``map_size > 0`` also the sum over batch and heads of the top-left ``map_size`` x ``map_size``
     corner (exact for causal maps: the first k queries only see the first k keys) and its count.
@@ -235,9 +242,10 @@ def attention_sums(probs: torch.Tensor, map_size: int = 0) -> dict[str, torch.Te
         "argmax_first_excl_q0": hit[..., 1:].sum(),
         "mass_first": p0.sum(),
         "mass_first_norm": (p0 / row.clamp_min(torch.finfo(F64).tiny)).sum(),
-        "sink_mass": (1.0 - row).clamp_min(0.0).sum(),
         "entropy": -plogp.sum(-1, dtype=F64).sum(),
     }
+    if sink:
+        out["sink_mass"] = (1.0 - row).clamp_min(0.0).sum()
     if map_size > 0:
         k = min(map_size, t)
         out["map"] = p[:, :, :k, :k].sum((0, 1), dtype=F64)
@@ -254,8 +262,9 @@ def finalize_attention(s: dict[str, torch.Tensor]) -> dict[str, float]:
         out["first_token_argmax_share"] = float(s["argmax_first"]) / n
         out["first_token_attention_mass"] = float(s["mass_first"]) / n
         out["first_token_attention_mass_norm"] = float(s["mass_first_norm"]) / n
-        out["attention_sink_mass"] = float(s["sink_mass"]) / n
         out["attention_entropy"] = float(s["entropy"]) / n
+        if "sink_mass" in s:
+            out["attention_sink_mass"] = float(s["sink_mass"]) / n
     if n1 > 0:
         out["first_token_argmax_share_excl_q0"] = float(s["argmax_first_excl_q0"]) / n1
     return out

@@ -1,98 +1,105 @@
-"""Probe pictures as HWC uint8 arrays (TensorBoard ``add_image(..., dataformats="HWC")``), in numpy only.
+"""Probe pictures, drawn with matplotlib into HWC uint8 arrays: the same labelled picture goes to TensorBoard
+(``add_image(..., dataformats="HWC")``) and to the evaluation's PNG files.
 
-* :func:`attention_map_image`: the mean attention map (queries down, keys across), as seed 000 Fig. 1.
-* :func:`hidden_magnitude_image`: hidden-state magnitude per layer (rows) and channel (columns), two panels:
-  the first token on top (marked by a red stripe on the left) and the RMS over the other tokens below
-  (grey stripe), on one shared log colour scale so that first-token outlier channels stand out.
+* :func:`attention_map_image`: the mean attention map (queries down, keys across), as seed 000 Fig. 1, on a
+  **fixed** log colour scale from 1e-4 to 1 (probabilities), so pictures of different steps and runs compare
+  directly. The first key's column is outlined in red.
+* :func:`hidden_magnitude_image`: hidden-state magnitude per layer (rows) and channel (columns), two panels on
+  one log colour scale: the first token on top, the RMS over the other tokens below. The scale runs from the
+  1st percentile to the maximum of these magnitudes; its range is written in the title and on the colour bar.
 
-No matplotlib: the colours come from a small built-in perceptual ramp, so making a picture costs
-microseconds to milliseconds and the trainer does not import a plotting stack.
+matplotlib (Agg, no display) is imported on the first picture only.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-# Anchor colours of a dark-blue -> teal -> yellow ramp (close to viridis), interpolated linearly.
-_RAMP = np.array([
-    [68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
-    [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37],
-], dtype=np.float64)
-FIRST_TOKEN_MARK = (220, 40, 40)
-REST_MARK = (128, 128, 128)
-SEPARATOR = (255, 255, 255)
+ATTENTION_RANGE = (1e-4, 1.0)  # fixed colour scale of the attention map (probabilities)
+FIRST_TOKEN_COLOUR = "#dc2828"
+MAX_COLUMNS = 1024  # wide models are max-pooled to this many channel columns (single spikes stay visible)
 
 
-def colorize(values: np.ndarray) -> np.ndarray:
-    """Maps values in [0, 1] (NaN -> 0) to RGB uint8 with the built-in ramp; shape [...] -> [..., 3]."""
-    v = np.nan_to_num(np.asarray(values, dtype=np.float64), nan=0.0)
-    v = np.clip(v, 0.0, 1.0) * (len(_RAMP) - 1)
-    lo = np.floor(v).astype(np.int64)
-    hi = np.minimum(lo + 1, len(_RAMP) - 1)
-    frac = (v - lo)[..., None]
-    rgb = _RAMP[lo] * (1.0 - frac) + _RAMP[hi] * frac
-    return np.round(rgb).astype(np.uint8)
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
-def _upscale(img: np.ndarray, fy: int, fx: int) -> np.ndarray:
-    return np.repeat(np.repeat(img, fy, axis=0), fx, axis=1)
+def _to_array(fig) -> np.ndarray:
+    """Renders a figure to [H, W, 3] uint8 and closes it."""
+    plt = _pyplot()
+    fig.canvas.draw()
+    rgb = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+    plt.close(fig)
+    return rgb
 
 
-def _max_pool_columns(a: np.ndarray, max_cols: int) -> np.ndarray:
-    """Max-pools the last axis down to at most ``max_cols`` columns (keeps single-channel spikes visible)."""
+def _max_pool_columns(a: np.ndarray, max_cols: int) -> tuple[np.ndarray, int]:
+    """Max-pools the last axis down to at most ``max_cols`` columns; returns the array and the group size."""
     d = a.shape[-1]
     if d <= max_cols:
-        return a
+        return a, 1
     group = -(-d // max_cols)
     pad = group * (-(-d // group)) - d
     if pad:
         a = np.concatenate([a, np.full(a.shape[:-1] + (pad,), -np.inf)], axis=-1)
-    return a.reshape(a.shape[:-1] + (-1, group)).max(-1)
+    return a.reshape(a.shape[:-1] + (-1, group)).max(-1), group
 
 
-def attention_map_image(attn: np.ndarray, target_px: int = 256) -> np.ndarray:
-    """Mean attention map [K, K] (rows: queries, columns: keys) -> [H, W, 3] uint8.
+def attention_map_image(attn: np.ndarray, title: str = "mean attention map (all layers and heads)",
+                        size_in: float = 4.8, dpi: int = 100) -> np.ndarray:
+    """Mean attention map [K, K] (rows: queries, columns: keys) -> [H, W, 3] uint8, labelled."""
+    from matplotlib.colors import LogNorm
+    from matplotlib.patches import Rectangle
 
-    The scale runs from 0 to the largest weight outside query 0 (query 0 always puts all of its softmax
-    mass on key 0, which would otherwise wash out the picture); larger values saturate.
-    """
     a = np.asarray(attn, dtype=np.float64)
     if a.ndim != 2 or a.shape[0] != a.shape[1] or a.shape[0] == 0:
         raise ValueError(f"attention map must be square [K, K], got shape {a.shape}")
     k = a.shape[0]
-    top = a[1:].max() if k > 1 else a.max()
-    top = top if top > 0 else 1.0
-    img = colorize(a / top)
-    f = max(1, target_px // k)
-    return _upscale(img, f, f)
+    lo, hi = ATTENTION_RANGE
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(size_in * 1.2, size_in), dpi=dpi, layout="constrained")
+    masked = np.ma.masked_less_equal(np.clip(a, 0.0, hi), 0.0)  # causal zeros: blank, not "tiny"
+    im = ax.imshow(masked, cmap="viridis", norm=LogNorm(vmin=lo, vmax=hi, clip=True), interpolation="nearest",
+                   extent=(-0.5, k - 0.5, k - 0.5, -0.5))
+    ax.add_patch(Rectangle((-0.5, -0.5), 1, k, fill=False, edgecolor=FIRST_TOKEN_COLOUR, linewidth=1.5))
+    ax.set_xlabel("key position (red: first token)")
+    ax.set_ylabel("query position")
+    ax.set_title(f"{title}\nfirst {k} positions; key 0 mean share {a[:, 0].mean():.3f}", fontsize=9)
+    fig.colorbar(im, ax=ax, label="attention probability (fixed log scale)")
+    return _to_array(fig)
 
 
-def hidden_magnitude_image(first: np.ndarray, rest: np.ndarray, max_width: int = 1024,
-                           panel_px: int = 128) -> np.ndarray:
-    """Two [layers, D] magnitude maps (first token; the other tokens) -> [H, W, 3] uint8.
+def hidden_magnitude_image(first: np.ndarray, rest: np.ndarray, dpi: int = 100) -> np.ndarray:
+    """Two [layers, D] magnitude maps (first token; RMS over the other tokens) -> [H, W, 3] uint8, labelled."""
+    from matplotlib.colors import LogNorm
 
-    Colour = log10 of the magnitude, on one scale for both panels (from the 1st to the 100th percentile of
-    the log magnitudes). Wide models are max-pooled to ``max_width`` columns, narrow ones are widened to at
-    least 256 pixels. A red stripe marks the first-token rows, a grey one the rest, a white line separates them.
-    """
     first = np.asarray(first, dtype=np.float64)
     rest = np.asarray(rest, dtype=np.float64)
     if first.shape != rest.shape or first.ndim != 2 or first.size == 0:
         raise ValueError(f"need two equal [layers, D] arrays, got {first.shape} and {rest.shape}")
-    n_layers = first.shape[0]
-    logs = np.log10(np.maximum(np.abs(np.stack([first, rest])), 1e-12))
-    logs = _max_pool_columns(logs, max_width)
-    lo, hi = np.percentile(logs, 1.0), logs.max()
-    norm = (logs - lo) / (hi - lo) if hi > lo else np.zeros_like(logs)
-    fy = min(16, max(1, -(-panel_px // n_layers)))
-    fx = max(1, -(-256 // norm.shape[-1]))
-    panels = [_upscale(colorize(norm[i]), fy, fx) for i in range(2)]
-    stripe_w = 6
-    rows = []
-    for panel, mark in zip(panels, (FIRST_TOKEN_MARK, REST_MARK)):
-        stripe = np.empty((panel.shape[0], stripe_w, 3), dtype=np.uint8)
-        stripe[:] = mark
-        rows.append(np.concatenate([stripe, panel], axis=1))
-    sep = np.empty((2, rows[0].shape[1], 3), dtype=np.uint8)
-    sep[:] = SEPARATOR
-    return np.ascontiguousarray(np.concatenate([rows[0], sep, rows[1]], axis=0))
+    n_layers, d = first.shape
+    mags = np.maximum(np.abs(np.stack([first, rest])), 1e-12)
+    mags, group = _max_pool_columns(mags, MAX_COLUMNS)
+    lo, hi = float(np.percentile(mags, 1.0)), float(mags.max())
+    hi = hi if hi > lo else lo * 10
+    plt = _pyplot()
+    height = 1.6 + 2 * max(1.0, 0.18 * n_layers)
+    fig, axes = plt.subplots(2, 1, figsize=(8.0, height), dpi=dpi, sharex=True, layout="constrained")
+    norm = LogNorm(vmin=lo, vmax=hi, clip=True)
+    pooled = f" (max over groups of {group})" if group > 1 else ""
+    for ax, m, label, colour in zip(axes, mags, ("first token (RMS over sequences)", "other tokens (RMS)"),
+                                    (FIRST_TOKEN_COLOUR, "black")):
+        im = ax.imshow(m, aspect="auto", cmap="magma", norm=norm, interpolation="nearest",
+                       extent=(-0.5 * group, (m.shape[1] - 0.5) * group, n_layers - 0.5, -0.5))
+        ax.set_ylabel("layer")
+        ax.set_title(label, fontsize=9, color=colour, loc="left")
+    axes[-1].set_xlabel(f"residual channel (of {d}){pooled}")
+    fig.suptitle(f"hidden-state magnitude |x| per layer and channel; colour range {lo:.2g} to {hi:.2g}",
+                 fontsize=9)
+    fig.colorbar(im, ax=list(axes), label="|x| (log scale)")
+    return _to_array(fig)

@@ -18,8 +18,8 @@ contributes it; attention heads are local to a TP rank, so their sums add up ove
 
 Scalars (identical on all ranks): ``outliers/layer_<i>/<metric>`` per block, ``outliers/head_input/<metric>``
 for the pre-head input, and ``outliers/<metric>`` = the mean over blocks (the papers' "averaged across
-layers"; the head input is not in the mean). Images (full mode): ``outliers/attention_map`` and
-``outliers/hidden_magnitude``, HWC uint8.
+layers"; the head input is not in the mean). Images (full mode, global rank 0 only): ``outliers/attention_map``
+and ``outliers/hidden_magnitude``, labelled HWC uint8 pictures (:mod:`outlier_titan.observe.pictures`).
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ class OutlierProbe:
             def hook(probs):
                 p, r = self._probs(probs, module)
                 rep["attn"] |= r
-                attn[name] = om.add_sums(attn.get(name), om.attention_sums(p, map_size))
+                sums = om.attention_sums(p, map_size, sink=module.softmax == "softmax1")
+                attn[name] = om.add_sums(attn.get(name), sums)
             return hook
 
         handles = [self.model.layers[n].register_forward_hook(block_hook(n)) for n in self.layer_names]
@@ -174,7 +175,7 @@ class OutlierProbe:
         for k, v in om.layer_mean(per_layer).items():
             scalars[f"{PREFIX}/{k}"] = v
         images: dict[str, np.ndarray] = {}
-        if self.full:
+        if self.full and (not dist.is_initialized() or dist.get_rank() == 0):  # only rank 0 logs pictures
             images.update(self._images(sums))
         return scalars, images
 

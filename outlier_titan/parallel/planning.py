@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError
 from outlier_titan.data import build_tokenizer
+from outlier_titan.data.tokenizer import tokenizer_mismatch
 from outlier_titan.models.registry import count_params, flops_per_token, model_args
 from outlier_titan.parallel.dims import ParallelDims
 from outlier_titan.parallel.parallelize import parallelize
@@ -39,6 +40,8 @@ class Plan:
     optimizer_bytes: float
     activation_bytes: float
     gather_bytes: float
+    tokenizer: str = ""
+    vocab_size: int = 0
 
     @property
     def total_bytes(self) -> float:
@@ -124,6 +127,7 @@ def plan(cfg: JobConfig) -> Plan:
         activation_bytes=activation_bytes(cfg, dims, n_layers, dim, n_heads, vocab, micro, compute_bytes),
         # FSDP all-gathers one block at a time (plus one prefetched) in the compute dtype, TP-sharded.
         gather_bytes=2 * largest_block / dims.tp * compute_bytes,
+        tokenizer=f"{cfg.data.tokenizer} ({tokenizer.name})", vocab_size=vocab,
     )
 
 
@@ -133,6 +137,10 @@ def dry_run(cfg: JobConfig) -> Plan:
     p = cfg.parallelism
     print(f"dry run: {cfg.model.name}/{cfg.model.flavor} on {pl.world_size} ranks "
           f"(dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x tp {p.tp})")
+    print(f"  tokenizer         {pl.tokenizer}, vocabulary {pl.vocab_size:,} | data.source {cfg.data.source}")
+    warning = tokenizer_mismatch(cfg.data.source, cfg.data.tokenizer)
+    if warning:
+        print(f"  warning: {warning}")
     print(f"  parameters        {pl.n_params:,} ({pl.n_params / 1e9:.3f} B)")
     print(f"  FLOPs per token   {pl.flops_per_token:.4g} (6N + causal attention, seq_len {cfg.training.seq_len})")
     print(f"  per-rank params   {pl.local_params:,}")

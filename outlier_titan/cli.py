@@ -1,0 +1,21 @@
+"""Command-line help shared by the scripts: the module docstring as the description, every default shown."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's layout and appends ``(default: X)`` to every option that has a default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" in text or action.default in (None, argparse.SUPPRESS, False, "")
+                or action.required or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def parser(doc: str, **kwargs) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` with ``doc`` (a script's module docstring) as its full description."""
+    return argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter, **kwargs)
