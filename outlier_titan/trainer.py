@@ -1,7 +1,8 @@
 """Set-up order and the step loop (DESIGN.md §3).
 
-mesh -> tokenizer -> meta model -> parallelize (TP -> AC -> compile -> FSDP2) -> materialise + init ->
-optimizer -> LR schedule -> data -> checkpoint load -> steps.
+mesh -> tokenizer -> data -> run folder (lock, writability, which checkpoint, config compatibility) -> meta model
+-> parallelize (TP -> AC -> compile -> FSDP2) -> materialise + init -> optimizer -> LR schedule -> checkpoint
+load -> config record -> steps. A failed start removes the run folder it created.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from outlier_titan.checkpoint.manager import Checkpointer, ModelState, OptimizerState
+from outlier_titan.checkpoint.manager import (Checkpointer, ModelState, OptimizerState, check_resume,
+                                              list_checkpoints, select_checkpoint)
+from outlier_titan.checkpoint.run_folder import RunFolder, check_writable, on_rank0
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, to_toml
 from outlier_titan.data import build_dataloader, build_tokenizer
+from outlier_titan.errors import DivergedError
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import build_meta_model, count_params, flops_per_token
 from outlier_titan.observe.logger import MetricsLogger, Throughput, peak_memory_gib
@@ -33,11 +37,12 @@ from outlier_titan.parallel.parallelize import parallelize
 
 
 class TrainState:
-    """Step counter, skipped-step count and RNG, checkpointed with the run."""
+    """Step counter, skipped-step counts and RNG, checkpointed with the run."""
 
     def __init__(self):
         self.step = 0
         self.skipped_steps = 0
+        self.consecutive_skips = 0  # not checkpointed: a checkpoint is never taken right after a skip
 
     def state_dict(self):
         return {"step": self.step, "skipped_steps": self.skipped_steps, "rng": torch.get_rng_state()}
@@ -93,12 +98,45 @@ class Trainer:
         self.local_batch, self.micro_batch, self.accum_steps = batch_layout(cfg, self.dims.dp)
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
         self.config_toml = to_toml(cfg)
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(self.config_toml)
         torch.manual_seed(cfg.training.seed)
 
+        # Everything that can fail on bad input is checked before the (possibly minutes-long) model build.
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        self.train_loader = self.build_loader("train", cfg.training.global_batch_size, self.micro_batch)
+        # Validation always reads the same first batches: one loader, rewound before each evaluation.
+        self.val_loader = (self.build_loader("validation", cfg.training.global_batch_size, self.micro_batch)
+                           if cfg.eval.every else None)
+        self.run = RunFolder(self.run_dir)
+        note = on_rank0(self.run.acquire, self._cpu_group())
+        if note:
+            self.log0(note)
+        try:
+            self._set_up(device_type)
+        except BaseException:
+            if self.rank == 0:
+                self.run.abandon()
+            raise
+
+    def _set_up(self, device_type: str) -> None:
+        """Run folder checks, model, optimizer and checkpoint restore; the run's config record is written last."""
+        cfg = self.cfg
+        ckpt_dir = self.run_dir / "checkpoints"
+        meta = {"tokenizer": self.tokenizer.fingerprint, "vocab_size": self.tokenizer.vocab_size}
+
+        def plan() -> tuple[int | None, list[str]]:
+            if not cfg.checkpoint.enable:
+                return None, []
+            check_writable(ckpt_dir, "checkpoint folder")
+            step, notes = select_checkpoint(ckpt_dir, cfg.checkpoint.load_step)
+            if step is not None:
+                notes += check_resume(ckpt_dir / f"step-{step}", self.config_toml, meta,
+                                      cfg.checkpoint.allow_config_change)
+            return step, notes
+
+        resume_step, notes = on_rank0(plan, self._cpu_group())
+        for note in notes:
+            self.log0(note)
+
         self.spec, self.args, self.model = build_meta_model(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
         self.n_params = count_params(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.training.seq_len)
@@ -111,18 +149,28 @@ class Trainer:
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, seed=cfg.training.seed)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.train_loader = self.build_loader("train", cfg.training.global_batch_size, self.micro_batch)
         self.train_iter = iter(self.train_loader)
-        # Validation always reads the same first batches: one loader, rewound before each evaluation.
-        self.val_loader = (self.build_loader("validation", cfg.training.global_batch_size, self.micro_batch)
-                           if cfg.eval.every else None)
         self.state = TrainState()
         self.checkpointer = Checkpointer(
-            self.run_dir / "checkpoints", cfg.checkpoint.keep_latest_k,
+            ckpt_dir, cfg.checkpoint.keep_latest_k,
             {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
              "lr_scheduler": self.lr_scheduler, "dataloader": self.train_loader, "train_state": self.state},
-            self.config_toml)
+            self.config_toml, meta)
+        self.resumed_step = resume_step
+        if resume_step is not None:
+            self.checkpointer.load(resume_step)
+            self.train_iter = iter(self.train_loader)
+
+        def record() -> None:
+            kept = self.run.write_config(self.config_toml, resume_step or 0)
+            if kept:
+                print(f"config changed: the previous record is kept as {self.run_dir / kept}", flush=True)
+
+        on_rank0(record, self._cpu_group())
         self.logger = MetricsLogger(self.run_dir, self.rank, cfg.metrics.tensorboard)
+        if resume_step is not None:
+            self.logger.mark_resume(resume_step)
+            self.log0(f"resumed from {self.checkpointer.folder / f'step-{resume_step}'}")
         self.throughput = Throughput(self.flops_per_token, self.device, self.world_size)
         self.probe = None
         self.sigterm_received = False  # set by the signal handler on this rank
@@ -170,7 +218,8 @@ class Trainer:
                 self.spec.post_step(self.model)
         else:
             self.state.skipped_steps += 1
-            self.log0(f"step {self.state.step + 1}: non-finite gradient norm, update skipped on all ranks")
+            self.log0(f"step {self.state.step}: non-finite gradient norm, update skipped on all ranks")
+        self.state.consecutive_skips = 0 if finite else self.state.consecutive_skips + 1
         self.lr_scheduler.step()
         return loss_sum, norm
 
@@ -198,11 +247,6 @@ class Trainer:
 
     def train(self) -> None:
         cfg = self.cfg
-        resumed = self.checkpointer.load(cfg.checkpoint.load_step) if cfg.checkpoint.enable else None
-        if resumed is not None:
-            self.train_iter = iter(self.train_loader)
-            self.logger.mark_resume(resumed)
-            self.log0(f"resumed from {self.checkpointer.folder / f'step-{resumed}'}")
         self._install_sigterm()
         self.log0(f"model {cfg.model.name}/{cfg.model.flavor}: {self.n_params / 1e6:.2f}M params, "
                   f"{self.flops_per_token / 1e6:.1f} MFLOP/token | world {self.world_size} "
@@ -228,13 +272,31 @@ class Trainer:
             if self.probe is not None and (step % cfg.observe.every == 0 or last):
                 self._run_probe(step)
             stop = self._preempt_now()
+            self._check_divergence(step)
             if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or last or stop):
-                path = self.checkpointer.save(step)
-                self.log0(f"checkpoint saved: {path}")
+                if self.state.consecutive_skips:
+                    self.log0(f"step {step}: checkpoint not saved: the last {self.state.consecutive_skips} "
+                              "step(s) had non-finite gradients")
+                else:
+                    path = self.checkpointer.save(step)
+                    self.log0(f"checkpoint saved: {path}")
                 self.throughput.reset()
+            if self.rank == 0:
+                self.run.heartbeat()
             if stop:
                 self.log0(f"SIGTERM received: stopped after step {step}")
                 break
+
+    def _check_divergence(self, step: int) -> None:
+        """Stops the run after ``training.max_skipped_steps`` consecutive non-finite steps (same on every rank:
+        the gradient norm is reduced)."""
+        n, limit = self.state.consecutive_skips, self.cfg.training.max_skipped_steps
+        if limit and n >= limit:
+            kept = list_checkpoints(self.checkpointer.folder) if self.cfg.checkpoint.enable else []
+            raise DivergedError(
+                f"training diverged: steps {step - n + 1}-{step} all had non-finite gradient norms "
+                f"(training.max_skipped_steps = {limit}); lower optimizer.lr (now {self.cfg.optimizer.lr:g}) or "
+                f"check the data; {f'the newest checkpoint step-{kept[-1]} is kept' if kept else 'nothing saved'}")
 
     def _log(self, step: int, loss: torch.Tensor, norm: torch.Tensor, lr: float) -> None:
         loss_v = self.global_loss(loss)
@@ -287,7 +349,16 @@ class Trainer:
         self.logger.close()
         if dist.is_initialized():
             dist.barrier()
+        if self.rank == 0:
+            self.run.release()
+        if dist.is_initialized():
             dist.destroy_process_group()
+
+    def abort(self) -> None:
+        """After an error during training: closes the record and releases the run folder (no collectives)."""
+        self.logger.close()
+        if self.rank == 0:
+            self.run.release()
 
 
 def main(argv: list[str]) -> int:
@@ -307,7 +378,13 @@ def main(argv: list[str]) -> int:
         trainer.close()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        if trainer is not None:
+            trainer.abort()
         if dist.is_initialized():
             dist.destroy_process_group()
-        return 2
+        return e.exit_code
+    except BaseException:
+        if trainer is not None:
+            trainer.abort()
+        raise
     return 0

@@ -125,6 +125,8 @@ class Training:
                                      ("bfloat16", "float32"))
     mixed_precision_reduce: str = opt("float32", "Gradient reduce dtype.", ("bfloat16", "float32"))
     device: str = opt("auto", "Device type: auto (cuda if available), cuda or cpu.", ("auto", "cuda", "cpu"))
+    max_skipped_steps: int = opt(5, "Abort after this many consecutive steps with a non-finite gradient norm "
+                                    "(skipped updates); 0 = never abort.")
 
 
 @dataclass
@@ -151,6 +153,8 @@ class Checkpoint:
     interval: int = opt(100, "Save every N steps (and at the last step).")
     keep_latest_k: int = opt(3, "Keep this many newest checkpoints (0 = keep all).")
     load_step: int = opt(-1, "Resume from this step (-1 = newest complete checkpoint, 0 = do not resume).")
+    allow_config_change: bool = opt(False, "Resume even when a setting that breaks the run changed (model, "
+                                           "optimizer state layout, tokenizer, data, seq_len, LR schedule).")
 
 
 @dataclass
