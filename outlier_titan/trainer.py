@@ -36,6 +36,10 @@ from outlier_titan.parallel.grads import clip_grads, grad_norm
 from outlier_titan.parallel.parallelize import parallelize
 
 
+# Optimizer settings held in param groups that the config owns (restored after a checkpoint load).
+HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay", "momentum", "alpha")
+
+
 class TrainState:
     """Step counter, skipped-step counts and RNG, checkpointed with the run."""
 
@@ -158,7 +162,20 @@ class Trainer:
             self.config_toml, meta)
         self.resumed_step = resume_step
         if resume_step is not None:
+            configured = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in self.optimizer.param_groups]
+            base_lrs = list(self.lr_scheduler.base_lrs)
             self.checkpointer.load(resume_step)
+            # The optimizer and LR-schedule states carry the saved hyperparameters; this run's config wins
+            # (changes were reported, and refused where they break the run).
+            for group, values, base, factor in zip(self.optimizer.param_groups, configured, base_lrs,
+                                                   self.lr_scheduler.lr_lambdas):
+                group.update(values)
+                lr = base * factor(self.lr_scheduler.last_epoch)
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
+            self.lr_scheduler.base_lrs = base_lrs
             self.train_iter = iter(self.train_loader)
 
         def record() -> None:

@@ -94,8 +94,12 @@ def _root_causes(e: BaseException) -> list[BaseException]:
 
 
 def _first_line(e: BaseException) -> str:
+    """``Type: first sentence`` of an exception's message."""
     text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+    if not text:
+        return type(e).__name__
+    line = text.splitlines()[0]
+    return f"{type(e).__name__}: {line.split('. ')[0].rstrip('.')[:200]}"
 
 
 def _is_disk_full(e: BaseException) -> bool:
@@ -336,9 +340,12 @@ def config_changes(saved_toml: str, current_toml: str, saved_meta: dict | None =
         out = [(k, a, b, "the LR schedule length changes mid-run (pin lr_scheduler.total_steps = "
                          f"{schedule_length(saved)} to keep it)" if k in ("training.steps", "lr_scheduler.total_steps")
                 else why) for k, a, b, why in out]
+    # The tokenizer's fingerprint (a hash of its BPE ranks) decides: a moved file is fine, other ranks are not.
     fa, fb = (saved_meta or {}).get("tokenizer"), (current_meta or {}).get("tokenizer")
-    if fa and fb and fa != fb and not any(k == "data.tokenizer" for k, *_ in out):
-        out.append(("tokenizer vocabulary", fa[:24], fb[:24], "same data.tokenizer setting, other BPE ranks"))
+    if fa and fb:
+        out = [(k, a, b, None if k == "data.tokenizer" else why) for k, a, b, why in out]
+        if fa != fb:
+            out.append(("tokenizer vocabulary", fa[:24], fb[:24], "other BPE ranks: token ids differ"))
     return out
 
 
