@@ -29,7 +29,8 @@ from outlier_titan.errors import DivergedError
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import build_meta_model, count_params, flops_per_token
 from outlier_titan.observe.logger import MetricsLogger, Throughput, peak_memory_gib
-from outlier_titan.optim.builder import build_optimizer
+from outlier_titan.optim.builder import build_optimizer, build_param_groups
+from outlier_titan.optim.tile_optimizers import check_tile_plans
 from outlier_titan.optim.lr_schedule import build_lr_scheduler
 from outlier_titan.parallel.dims import ParallelDims, device_type_for, init_distributed
 from outlier_titan.parallel.grads import clip_grads, grad_norm
@@ -111,40 +112,47 @@ class Trainer:
         self.val_loader = (self.build_loader("validation", cfg.training.global_batch_size, self.micro_batch)
                            if cfg.eval.every else None)
         self.run = RunFolder(self.run_dir)
-        note = on_rank0(self.run.acquire, self._cpu_group())
-        if note:
+        ckpt_dir = self.run_dir / "checkpoints"
+        self.meta = {"tokenizer": self.tokenizer.fingerprint, "vocab_size": self.tokenizer.vocab_size}
+
+        def plan() -> tuple[int | None, list[int], list[str]]:
+            """Read-only checks of the run folder: nothing is created before the model is built."""
+            self.run.check_free()
+            check_writable(self.run_dir, "run folder")
+            if not cfg.checkpoint.enable:
+                return None, [], []
+            check_writable(ckpt_dir, "checkpoint folder")
+            step, unreadable = select_checkpoint(ckpt_dir, cfg.checkpoint.load_step)
+            notes = (check_resume(ckpt_dir / f"step-{step}", self.config_toml, self.meta,
+                                  cfg.checkpoint.allow_config_change) if step is not None else [])
+            return step, unreadable, notes
+
+        self.resumed_step, unreadable, notes = on_rank0(plan, self._cpu_group())
+        for note in notes:
+            self.log0(note)
+        self._build(device_type)
+
+        def take() -> list[str]:
+            note = self.run.acquire()
+            return ([note] if note else []) + move_aside(ckpt_dir, unreadable, self.resumed_step)
+
+        for note in on_rank0(take, self._cpu_group()):
             self.log0(note)
         try:
-            self._set_up(device_type)
+            self._restore()
         except BaseException:
             if self.rank == 0:
                 self.run.abandon()
             raise
 
-    def _set_up(self, device_type: str) -> None:
-        """Run folder checks, model, optimizer and checkpoint restore; the run's config record is written last."""
+    def _build(self, device_type: str) -> None:
+        """Model (meta -> parallelize -> materialise), optimizer, LR schedule, checkpointer; writes nothing."""
         cfg = self.cfg
-        ckpt_dir = self.run_dir / "checkpoints"
-        meta = {"tokenizer": self.tokenizer.fingerprint, "vocab_size": self.tokenizer.vocab_size}
-
-        def plan() -> tuple[int | None, list[str]]:
-            if not cfg.checkpoint.enable:
-                return None, []
-            check_writable(ckpt_dir, "checkpoint folder")
-            step, notes = select_checkpoint(ckpt_dir, cfg.checkpoint.load_step)
-            if step is not None:
-                notes += check_resume(ckpt_dir / f"step-{step}", self.config_toml, meta,
-                                      cfg.checkpoint.allow_config_change)
-            return step, notes
-
-        resume_step, notes = on_rank0(plan, self._cpu_group())
-        for note in notes:
-            self.log0(note)
-
         self.spec, self.args, self.model = build_meta_model(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
         self.n_params = count_params(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.training.seq_len)
         parallelize(self.model, self.spec, self.args, cfg, self.dims, self.mesh, device_type)
+        check_tile_plans(build_param_groups(self.model, cfg.optimizer), cfg.optimizer)  # before materialising
         self.model.to_empty(device=self.device)
         self.model.init_weights(Initializer(cfg.training.seed, self.device))
         if self.spec.post_step is not None:
@@ -156,11 +164,15 @@ class Trainer:
         self.train_iter = iter(self.train_loader)
         self.state = TrainState()
         self.checkpointer = Checkpointer(
-            ckpt_dir, cfg.checkpoint.keep_latest_k,
+            self.run_dir / "checkpoints", cfg.checkpoint.keep_latest_k,
             {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
              "lr_scheduler": self.lr_scheduler, "dataloader": self.train_loader, "train_state": self.state},
-            self.config_toml, meta)
-        self.resumed_step = resume_step
+            self.config_toml, self.meta)
+
+    def _restore(self) -> None:
+        """Checkpoint load, then the run's config record (check first, write after), logger and step state."""
+        cfg = self.cfg
+        resume_step = self.resumed_step
         if resume_step is not None:
             configured = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in self.optimizer.param_groups]
             base_lrs = list(self.lr_scheduler.base_lrs)

@@ -173,7 +173,7 @@ def test_divergence_aborts_without_checkpointing_the_skipped_steps(copy):
 
 def test_failed_start_leaves_no_run_folder(base, tmp_path):
     _, args = base
-    run = train(tmp_path, *args, "--model.vocab_size", "64", name="fresh")  # fails after the folder exists
+    run = train(tmp_path, *args, "--model.vocab_size", "64", name="fresh")  # fails at the model build
     assert_refused(run, ["model.vocab_size = 64 is smaller than the tokenizer's"])
     assert not (tmp_path / "fresh").exists()
 

@@ -122,12 +122,10 @@ def step_folders(folder: Path) -> dict[int, Path]:
     return {int(m.group(1)): child for child in folder.iterdir() if (m := STEP_RE.match(child.name))}
 
 
-def select_checkpoint(folder: Path, load_step: int) -> tuple[int | None, list[str]]:
-    """The step to resume from (None: start fresh) and notes for the console. Rank 0 only.
-
-    A ``step-<N>`` folder without DCP ``.metadata`` newer than the chosen checkpoint cannot be read: it is moved
-    aside to ``step-<N>.corrupt`` (never deleted or overwritten) and the fallback is said loudly. An
-    explicitly requested step that is unreadable is an error."""
+def select_checkpoint(folder: Path, load_step: int) -> tuple[int | None, list[int]]:
+    """The step to resume from (None: start fresh) and the unreadable newer ``step-<N>`` folders (no DCP
+    ``.metadata``) to move aside with :func:`move_aside`. Reads only. An explicitly requested step that is
+    unreadable is an error."""
     if load_step == 0:
         return None, []
     folders = step_folders(folder)
@@ -141,16 +139,22 @@ def select_checkpoint(folder: Path, load_step: int) -> tuple[int | None, list[st
         raise CheckpointError(f"checkpoint.load_step = {load_step} not found in {folder}; "
                               f"available: {', '.join(map(str, complete)) or 'none'}")
     step = complete[-1] if complete else None
+    return step, sorted(s for s in folders if s not in complete and (step is None or s > step))
+
+
+def move_aside(folder: Path, bad: list[int], resume_step: int | None) -> list[str]:
+    """Renames each unreadable ``step-<N>`` to ``step-<N>.corrupt`` (never deleted or overwritten); returns the
+    loud console lines."""
     notes = []
-    for bad in sorted(s for s in folders if s not in complete and (step is None or s > step)):
-        aside = folders[bad].with_name(folders[bad].name + ".corrupt")
-        k = 1
+    for s in bad:
+        src = folder / f"step-{s}"
+        aside, k = src.with_name(src.name + ".corrupt"), 1
         while aside.exists():
-            aside, k = folders[bad].with_name(f"{folders[bad].name}.corrupt{k}"), k + 1
-        os.replace(folders[bad], aside)
-        notes.append(f"WARNING: checkpoint {folders[bad]} is unreadable (no .metadata); moved it aside to "
-                     f"{aside.name} and resuming from {f'step-{step}' if step is not None else 'scratch'}")
-    return step, notes
+            aside, k = src.with_name(f"{src.name}.corrupt{k}"), k + 1
+        os.replace(src, aside)
+        notes.append(f"WARNING: checkpoint {src} is unreadable (no .metadata); moved it aside to {aside.name} and "
+                     f"resuming from {f'step-{resume_step}' if resume_step is not None else 'scratch'}")
+    return notes
 
 
 class Checkpointer:

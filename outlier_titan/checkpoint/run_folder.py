@@ -50,15 +50,19 @@ def on_rank0(fn: Callable[[], Any], group=None) -> Any:
 
 
 def check_writable(folder: Path, what: str) -> None:
-    """Creates ``folder`` if needed and writes and removes a probe file in it; RunFolderError if it cannot."""
-    probe = folder / f".write-test-{os.getpid()}"
+    """Writes and removes a probe file in ``folder`` (or, if it does not exist yet, in its nearest existing
+    ancestor, where it would be created), creating nothing else; RunFolderError if it cannot."""
+    where = Path(folder).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    probe = where / f".write-test-{os.getpid()}"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
         with open(probe, "wb") as f:
             f.write(b"0")
         probe.unlink()
     except OSError as e:
-        raise RunFolderError(f"{what} {folder} is not writable ({e.strerror or e}); make it writable or set "
+        at = "" if where == Path(folder).absolute() else f" (at {where})"
+        raise RunFolderError(f"{what} {folder} is not writable{at} ({e.strerror or e}); make it writable or set "
                              "job.dump_folder to a writable folder") from None
 
 
@@ -108,6 +112,18 @@ class RunFolder:
             return False
         return age < STALE_SECONDS
 
+    def check_free(self) -> None:
+        """RunFolderError if a live run holds the lock (read only; :meth:`acquire` takes it atomically later)."""
+        holder = self._holder() if self.lock.exists() else None
+        if holder is not None and self._is_live(holder):
+            raise self._in_use(holder)
+
+    def _in_use(self, holder: dict) -> RunFolderError:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("time", 0))))
+        return RunFolderError(f"run folder {self.path} is in use by pid {holder.get('pid')} on {holder.get('host')} "
+                              f"(since {since}); wait for that run to end or set another job.name (if that run is "
+                              f"dead, delete {self.lock})")
+
     def acquire(self) -> str | None:
         """Creates the folder if needed and takes the lock; returns a note when a stale lock was taken over."""
         existed = self.path.is_dir()
@@ -125,11 +141,7 @@ class RunFolder:
             except FileExistsError:
                 holder = self._holder()
                 if self._is_live(holder):
-                    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("time", 0))))
-                    raise RunFolderError(
-                        f"run folder {self.path} is in use by pid {holder.get('pid')} on {holder.get('host')} "
-                        f"(since {since}); wait for that run to end or set another job.name (if that run is dead, "
-                        f"delete {self.lock})") from None
+                    raise self._in_use(holder) from None
                 who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "an unreadable lock"
                 note = f"run folder {self.path}: took over the stale lock of {who}"
                 self.lock.unlink(missing_ok=True)
