@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from outlier_titan.checkpoint.manager import (Checkpointer, ModelState, OptimizerState, check_resume,
-                                              list_checkpoints, select_checkpoint)
+                                              list_checkpoints, move_aside, select_checkpoint)
 from outlier_titan.checkpoint.run_folder import RunFolder, check_writable, on_rank0
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, to_toml
