@@ -1,10 +1,13 @@
 """Distributed checkpoints with torch.distributed.checkpoint (DCP).
 
-Layout: ``<run>/checkpoints/step-<N>/`` holding DCP shards, ``.metadata`` and ``config.toml``. A save is
+Layout: ``<run>/checkpoints/step-<N>/`` holding DCP shards, ``.metadata``, ``config.toml`` (the reference for
+the resume compatibility check) and ``meta.json`` (tokenizer fingerprint). A save is
 written to ``.tmp-step-<N>`` and committed by an atomic rename once every rank has finished, so a folder
 named ``step-<N>`` is always complete; an interrupted save leaves only a temporary folder that is ignored
 (and removed by the next save). Model and optimizer state are FQN-keyed, so DCP reshards them between
-layouts; LR schedule, data position and step are layout independent.
+layouts; LR schedule, data position and step are layout independent. A ``step-<N>`` without ``.metadata`` is
+never overwritten: resuming moves it aside to ``step-<N>.corrupt``. Every failure to read, match or write a
+checkpoint is a one-line :class:`CheckpointError` (DCP's own ``CheckpointException`` is a ``BaseException``).
 """
 
 from __future__ import annotations
