@@ -1,8 +1,11 @@
-"""User-facing errors: ``train.py`` and the scripts print their one-line message and exit with code 2."""
+"""User-facing errors: ``train.py`` and the scripts print their one-line message and exit with its code
+(2 for bad input, unless a subclass says otherwise)."""
 
 
 class UserError(Exception):
     """Bad input from the user (config, data, tokenizer, checkpoint). The message names the problem and the fix."""
+
+    exit_code = 2
 
 
 class DataError(UserError):
@@ -10,4 +13,14 @@ class DataError(UserError):
 
 
 class CheckpointError(UserError):
-    """A checkpoint that cannot be loaded into this run."""
+    """A checkpoint that cannot be loaded into this run, or saved (disk full, read-only folder)."""
+
+
+class RunFolderError(UserError):
+    """A run folder that is in use by another run or cannot be written."""
+
+
+class DivergedError(UserError):
+    """Training stopped after too many consecutive non-finite steps (exit code 3: not bad input as such)."""
+
+    exit_code = 3

@@ -1,7 +1,8 @@
 """Set-up order and the step loop (DESIGN.md §3).
 
-mesh -> tokenizer -> meta model -> parallelize (TP -> AC -> compile -> FSDP2) -> materialise + init ->
-optimizer -> LR schedule -> data -> checkpoint load -> steps.
+mesh -> tokenizer -> data -> run folder (lock, writability, which checkpoint, config compatibility) -> meta model
+-> parallelize (TP -> AC -> compile -> FSDP2) -> materialise + init -> optimizer -> LR schedule -> checkpoint
+load -> config record -> steps. A failed start removes the run folder it created.
 """
 
 from __future__ import annotations
@@ -21,28 +22,37 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from outlier_titan.checkpoint.export import apply_initial_model, load_model_state
-from outlier_titan.checkpoint.manager import Checkpointer, ModelState, OptimizerState
+from outlier_titan.checkpoint.manager import (Checkpointer, ModelState, OptimizerState, check_resume,
+                                              list_checkpoints, move_aside, select_checkpoint)
+from outlier_titan.checkpoint.run_folder import RunFolder, check_writable, on_rank0
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, to_toml
 from outlier_titan.data import build_dataloader, build_tokenizer
 from outlier_titan.data.tokenizer import tokenizer_mismatch
+from outlier_titan.errors import DivergedError
 from outlier_titan.eval.perplexity import validation_budget
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import build_meta_model, count_params, flops_per_token
 from outlier_titan.observe.logger import MetricsLogger, Throughput, peak_memory_gib
-from outlier_titan.optim.builder import build_optimizer
+from outlier_titan.optim.builder import build_optimizer, build_param_groups
+from outlier_titan.optim.tile_optimizers import check_tile_plans
 from outlier_titan.optim.lr_schedule import build_lr_scheduler
 from outlier_titan.parallel.dims import ParallelDims, device_type_for, init_distributed
 from outlier_titan.parallel.grads import clip_grads, grad_norm
 from outlier_titan.parallel.parallelize import parallelize
 
 
+# Optimizer settings held in param groups that the config owns (restored after a checkpoint load).
+HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay", "momentum", "alpha")
+
+
 class TrainState:
-    """Step counter, skipped-step count and RNG, checkpointed with the run."""
+    """Step counter, skipped-step counts and RNG, checkpointed with the run."""
 
     def __init__(self):
         self.step = 0
         self.skipped_steps = 0
+        self.consecutive_skips = 0  # not checkpointed: a checkpoint is never taken right after a skip
 
     def state_dict(self):
         return {"step": self.step, "skipped_steps": self.skipped_steps, "rng": torch.get_rng_state()}
@@ -146,16 +156,62 @@ class Trainer:
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
         apply_initial_model(cfg)  # continued pretraining: the stored model's shape
         self.config_toml = to_toml(cfg)
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(self.config_toml)
         torch.manual_seed(cfg.training.seed)
 
+        # Everything that can fail on bad input is checked before the (possibly minutes-long) model build.
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        self.train_loader = self.build_loader("train", cfg.training.global_batch_size, self.micro_batch)
+        # Validation always reads the same first windows, each once: one loader, rewound before each evaluation.
+        self.val_loader = (self.build_loader("validation", cfg.training.global_batch_size, self.micro_batch)
+                           if cfg.eval.every else None)
+        if self.val_loader is not None:
+            seq_len = cfg.training.seq_len
+            wanted = cfg.eval.steps * cfg.training.global_batch_size * seq_len
+            asked = "eval.steps x training.global_batch_size x training.seq_len"
+            budget = validation_budget(self.val_loader, seq_len, wanted, asked, warn=self.rank == 0)
+            self.val_windows = budget // seq_len
+        self.run = RunFolder(self.run_dir)
+        ckpt_dir = self.run_dir / "checkpoints"
+        self.meta = {"tokenizer": self.tokenizer.fingerprint, "vocab_size": self.tokenizer.vocab_size}
+
+        def plan() -> tuple[int | None, list[int], list[str]]:
+            """Read-only checks of the run folder: nothing is created before the model is built."""
+            self.run.check_free()
+            check_writable(self.run_dir, "run folder")
+            if not cfg.checkpoint.enable:
+                return None, [], []
+            check_writable(ckpt_dir, "checkpoint folder")
+            step, unreadable = select_checkpoint(ckpt_dir, cfg.checkpoint.load_step)
+            notes = (check_resume(ckpt_dir / f"step-{step}", self.config_toml, self.meta,
+                                  cfg.checkpoint.allow_config_change) if step is not None else [])
+            return step, unreadable, notes
+
+        self.resumed_step, unreadable, notes = on_rank0(plan, self._cpu_group())
+        for note in notes:
+            self.log0(note)
+        self._build(device_type)
+
+        def take() -> list[str]:
+            note = self.run.acquire()
+            return ([note] if note else []) + move_aside(ckpt_dir, unreadable, self.resumed_step)
+
+        for note in on_rank0(take, self._cpu_group()):
+            self.log0(note)
+        try:
+            self._restore()
+        except BaseException:
+            if self.rank == 0:
+                self.run.abandon()
+            raise
+
+    def _build(self, device_type: str) -> None:
+        """Model (meta -> parallelize -> materialise), optimizer, LR schedule, checkpointer; writes nothing."""
+        cfg = self.cfg
         self.spec, self.args, self.model = build_meta_model(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
         self.n_params = count_params(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.training.seq_len)
         parallelize(self.model, self.spec, self.args, cfg, self.dims, self.mesh, device_type)
+        check_tile_plans(build_param_groups(self.model, cfg.optimizer), cfg.optimizer)  # before materialising
         self.model.to_empty(device=self.device)
         self.model.init_weights(Initializer(cfg.training.seed, self.device))
         if cfg.checkpoint.initial_load_path:
@@ -166,24 +222,45 @@ class Trainer:
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, seed=cfg.training.seed)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.train_loader = self.build_loader("train", cfg.training.global_batch_size, self.micro_batch)
         self.train_iter = iter(self.train_loader)
-        # Validation always reads the same first windows, each once: one loader, rewound before each evaluation.
-        self.val_loader = None
-        if cfg.eval.every:
-            self.val_loader = self.build_loader("validation", cfg.training.global_batch_size, self.micro_batch)
-            seq_len = cfg.training.seq_len
-            wanted = cfg.eval.steps * cfg.training.global_batch_size * seq_len
-            asked = "eval.steps x training.global_batch_size x training.seq_len"
-            budget = validation_budget(self.val_loader, seq_len, wanted, asked, warn=self.rank == 0)
-            self.val_windows = budget // seq_len
         self.state = TrainState()
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints", cfg.checkpoint.keep_latest_k,
             {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
              "lr_scheduler": self.lr_scheduler, "dataloader": self.train_loader, "train_state": self.state},
-            self.config_toml)
+            self.config_toml, self.meta)
+
+    def _restore(self) -> None:
+        """Checkpoint load, then the run's config record (check first, write after), logger and step state."""
+        cfg = self.cfg
+        resume_step = self.resumed_step
+        if resume_step is not None:
+            configured = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in self.optimizer.param_groups]
+            base_lrs = list(self.lr_scheduler.base_lrs)
+            self.checkpointer.load(resume_step)
+            # The optimizer and LR-schedule states carry the saved hyperparameters; this run's config wins
+            # (changes were reported, and refused where they break the run).
+            for group, values, base, factor in zip(self.optimizer.param_groups, configured, base_lrs,
+                                                   self.lr_scheduler.lr_lambdas):
+                group.update(values)
+                lr = base * factor(self.lr_scheduler.last_epoch)
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
+            self.lr_scheduler.base_lrs = base_lrs
+            self.train_iter = iter(self.train_loader)
+
+        def record() -> None:
+            kept = self.run.write_config(self.config_toml, resume_step or 0)
+            if kept:
+                print(f"config changed: the previous record is kept as {self.run_dir / kept}", flush=True)
+
+        on_rank0(record, self._cpu_group())
         self.logger = MetricsLogger(self.run_dir, self.rank, cfg.metrics.tensorboard)
+        if resume_step is not None:
+            self.logger.mark_resume(resume_step)
+            self.log0(f"resumed from {self.checkpointer.folder / f'step-{resume_step}'}")
         self.throughput = Throughput(self.flops_per_token, self.device, self.world_size)
         self.probe = None
         self.sigterm_received = False  # set by the signal handler on this rank
@@ -235,7 +312,8 @@ class Trainer:
                 self.spec.post_step(self.model)
         else:
             self.state.skipped_steps += 1
-            self.log0(f"step {self.state.step + 1}: non-finite gradient norm, update skipped on all ranks")
+            self.log0(f"step {self.state.step}: non-finite gradient norm, update skipped on all ranks")
+        self.state.consecutive_skips = 0 if finite else self.state.consecutive_skips + 1
         self.lr_scheduler.step()
         return loss_sum, norm
 
@@ -274,16 +352,11 @@ class Trainer:
     def train(self) -> None:
         cfg = self.cfg
         total = cfg.training.steps
-        resumed = self.checkpointer.load(cfg.checkpoint.load_step) if cfg.checkpoint.enable else None
-        if resumed is not None:
-            if resumed >= total:
-                self.log0(f"{self.run_dir}: already complete ({resumed}/{total} steps); nothing to do (raise "
-                          f"training.steps to train further)")
-                return
-            self.train_iter = iter(self.train_loader)
-            self.logger.mark_resume(resumed)
-            self.log0(f"resumed from {self.checkpointer.folder / f'step-{resumed}'}")
-        elif cfg.checkpoint.initial_load_path:
+        if self.resumed_step is not None and self.resumed_step >= total:
+            self.log0(f"{self.run_dir}: already complete ({self.resumed_step}/{total} steps); nothing to do "
+                      f"(raise training.steps to train further)")
+            return
+        if self.resumed_step is None and cfg.checkpoint.initial_load_path:
             self.log0(f"weights from {cfg.checkpoint.initial_load_path}")
         self._install_sigterm()
         self.log0(f"model {cfg.model.name}/{cfg.model.flavor}: {self.n_params / 1e6:.2f}M params, "
@@ -319,10 +392,17 @@ class Trainer:
             if self.probe is not None and (step % cfg.observe.every == 0 or last):
                 self._run_probe(step)
             stop = self._preempt_now()
+            self._check_divergence(step)
             if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or last or stop):
-                path = self.checkpointer.save(step)
-                self.log0(f"checkpoint saved: {path}")
+                if self.state.consecutive_skips:
+                    self.log0(f"step {step}: checkpoint not saved: the last {self.state.consecutive_skips} "
+                              "step(s) had non-finite gradients")
+                else:
+                    path = self.checkpointer.save(step)
+                    self.log0(f"checkpoint saved: {path}")
                 self.throughput.reset()
+            if self.rank == 0:
+                self.run.heartbeat()
             if stop:
                 self.log0(f"SIGTERM received: stopped after step {step}")
                 break
@@ -367,6 +447,17 @@ class Trainer:
             parts.append(f"val loss {self.last_val:.4f} (ppl {perplexity(self.last_val):.2f})")
         parts.append(f"run folder {self.run_dir}")
         return " | ".join(parts)
+
+    def _check_divergence(self, step: int) -> None:
+        """Stops the run after ``training.max_skipped_steps`` consecutive non-finite steps (same on every rank:
+        the gradient norm is reduced)."""
+        n, limit = self.state.consecutive_skips, self.cfg.training.max_skipped_steps
+        if limit and n >= limit:
+            kept = list_checkpoints(self.checkpointer.folder) if self.cfg.checkpoint.enable else []
+            raise DivergedError(
+                f"training diverged: steps {step - n + 1}-{step} all had non-finite gradient norms "
+                f"(training.max_skipped_steps = {limit}); lower optimizer.lr (now {self.cfg.optimizer.lr:g}) or "
+                f"check the data; {f'the newest checkpoint step-{kept[-1]} is kept' if kept else 'nothing saved'}")
 
     def _log(self, step: int, loss: torch.Tensor, norm: torch.Tensor, lr: float) -> None:
         loss_v = self.global_loss(loss)
@@ -422,7 +513,16 @@ class Trainer:
         self.logger.close()
         if dist.is_initialized():
             dist.barrier()
+        if self.rank == 0:
+            self.run.release()
+        if dist.is_initialized():
             dist.destroy_process_group()
+
+    def abort(self) -> None:
+        """After an error during training: closes the record and releases the run folder (no collectives)."""
+        self.logger.close()
+        if self.rank == 0:
+            self.run.release()
 
 
 def main(argv: list[str]) -> int:
@@ -443,7 +543,13 @@ def main(argv: list[str]) -> int:
         trainer.close()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        if trainer is not None:
+            trainer.abort()
         if dist.is_initialized():
             dist.destroy_process_group()
-        return 2
+        return e.exit_code
+    except BaseException:
+        if trainer is not None:
+            trainer.abort()
+        raise
     return 0

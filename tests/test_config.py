@@ -35,6 +35,13 @@ def test_type_conversion_of_cli_values():
     (["--parallelism.dp_shard", "0"], "parallelism.dp_shard"),
     (["--lr_scheduler.min_lr_ratio", "2"], "lr_scheduler.min_lr_ratio must be in [0, 1]"),
     (["--training.steps"], "needs a value"),
+    (["--optimizer.lr", "1e39"], "optimizer.lr = 1e+39 is not representable in float32"),
+    (["--optimizer.lr", "1e-50"], "optimizer.lr = 1e-50 is not representable in float32"),
+    (["--optimizer.lr", "inf"], "optimizer.lr must be a finite number"),
+    (["--optimizer.lr", "nan"], "optimizer.lr must be a finite number"),
+    (["--optimizer.lr", "0"], "optimizer.lr must be > 0"),
+    (["--training.max_norm", "-inf"], "training.max_norm must be a finite number"),
+    (["--training.max_skipped_steps", "-1"], "training.max_skipped_steps must be >= 0"),
 ])
 def test_bad_values_are_one_line_errors(argv, fragment):
     with pytest.raises(ConfigError) as e:
@@ -75,6 +82,7 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     (["--config", "/nope.toml"], "config file not found"),
     (["--config", DEBUG, "--training.bogus", "1"], "unknown key 'training.bogus'"),
     (["--config", DEBUG, "--training.steps", "x"], "expected int"),
+    (["--config", DEBUG, "--optimizer.lr", "1e39"], "not representable in float32"),
 ])
 def test_train_py_exits_2_with_one_line(argv, fragment):
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), *argv], capture_output=True, text=True, timeout=120)

@@ -342,6 +342,16 @@ def test_empty_split_is_a_data_error(tmp_path, tok):
         _loader(Data(source=str(path), cache_dir=str(tmp_path)), tok, split=split)
 
 
+def test_empty_txt_source_names_the_file(tmp_path, tok):
+    path = tmp_path / "empty.txt"
+    path.write_text("")
+    with pytest.raises(DataError, match=f"data.source: {path} is empty; put text in it"):
+        _loader(Data(source=str(path), cache_dir=str(tmp_path)), tok)
+    path.write_text("one line only\n")  # all of it lands in one split: the other one names the file too
+    with pytest.raises(DataError, match=f"data.source: {path} has no documents in the 'validation' split"):
+        _loader(Data(source=str(path), cache_dir=str(tmp_path)), tok, split="validation")
+
+
 def test_parquet_without_pyarrow(tmp_path):
     try:
         import pyarrow  # noqa: F401

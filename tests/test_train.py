@@ -64,14 +64,14 @@ def test_resume_is_exact(tmp_path, baseline, nproc):
 
 def test_keep_latest_k_and_interrupted_save_leave_complete_checkpoints(tmp_path):
     run = train(tmp_path, *TINY, "--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-                "--checkpoint.keep_latest_k", "2").check()
+                "--checkpoint.keep_latest_k", "2", "--lr_scheduler.total_steps", "8").check()
     ckpts = run.run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-4", "step-6"]
     # A crash during a save leaves a temporary folder; it is ignored on resume and purged by the next save.
     (ckpts / ".tmp-step-8").mkdir()
     (ckpts / ".tmp-step-8" / "garbage").write_text("partial")
     again = train(tmp_path, *TINY, "--training.steps", "8", "--checkpoint.enable", "true", "--checkpoint.interval",
-                  "2", "--checkpoint.keep_latest_k", "2").check()
+                  "2", "--checkpoint.keep_latest_k", "2", "--lr_scheduler.total_steps", "8").check()
     assert "resumed from" in again.stdout and "step-6" in again.stdout
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-6", "step-8"]
 

@@ -1,14 +1,19 @@
 """Distributed checkpoints with torch.distributed.checkpoint (DCP).
 
-Layout: ``<run>/checkpoints/step-<N>/`` holding DCP shards, ``.metadata`` and ``config.toml``. A save is
+Layout: ``<run>/checkpoints/step-<N>/`` holding DCP shards, ``.metadata``, ``config.toml`` (the reference for
+the resume compatibility check) and ``meta.json`` (tokenizer fingerprint). A save is
 written to ``.tmp-step-<N>`` and committed by an atomic rename once every rank has finished, so a folder
 named ``step-<N>`` is always complete; an interrupted save leaves only a temporary folder that is ignored
 (and removed by the next save). Model and optimizer state are FQN-keyed, so DCP reshards them between
-layouts; LR schedule, data position and step are layout independent.
+layouts; LR schedule, data position and step are layout independent. A ``step-<N>`` without ``.metadata`` is
+never overwritten: resuming moves it aside to ``step-<N>.corrupt``. Every failure to read, match or write a
+checkpoint is a one-line :class:`CheckpointError` (DCP's own ``CheckpointException`` is a ``BaseException``).
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import re
 import shutil
@@ -26,8 +31,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
+from outlier_titan.checkpoint.run_folder import on_rank0
 from outlier_titan.errors import CheckpointError
 
 STEP_RE = re.compile(r"^step-(\d+)$")
@@ -81,34 +89,163 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     raise CheckpointError(f"no complete checkpoint at {path} (expected a step-<N> folder with DCP .metadata)")
 
 
+def _root_causes(e: BaseException) -> list[BaseException]:
+    """The underlying exceptions of a DCP ``CheckpointException`` (one per failed rank), else ``[e]``."""
+    if isinstance(e, CheckpointException):
+        return [exc for exc, _ in e.failures.values()] or [e]
+    return [e]
+
+
+def _first_line(e: BaseException) -> str:
+    """``Type: first sentence`` of an exception's message."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    line = text.splitlines()[0]
+    return f"{type(e).__name__}: {line.split('. ')[0].rstrip('.')[:200]}"
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    return any(getattr(c, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(c)
+               for c in _root_causes(e))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def step_folders(folder: Path) -> dict[int, Path]:
+    """Every ``step-<N>`` folder in ``folder`` (complete or not), by step."""
+    if not folder.is_dir():
+        return {}
+    return {int(m.group(1)): child for child in folder.iterdir() if (m := STEP_RE.match(child.name))}
+
+
+def select_checkpoint(folder: Path, load_step: int) -> tuple[int | None, list[int]]:
+    """The step to resume from (None: start fresh) and the unreadable newer ``step-<N>`` folders (no DCP
+    ``.metadata``) to move aside with :func:`move_aside`. Reads only. An explicitly requested step that is
+    unreadable is an error."""
+    if load_step == 0:
+        return None, []
+    folders = step_folders(folder)
+    complete = list_checkpoints(folder)
+    if load_step > 0:
+        if load_step in complete:
+            return load_step, []
+        if load_step in folders:
+            raise CheckpointError(f"checkpoint {folders[load_step]} is incomplete (no .metadata); choose another "
+                                  f"checkpoint.load_step (complete: {', '.join(map(str, complete)) or 'none'})")
+        raise CheckpointError(f"checkpoint.load_step = {load_step} not found in {folder}; "
+                              f"available: {', '.join(map(str, complete)) or 'none'}")
+    step = complete[-1] if complete else None
+    return step, sorted(s for s in folders if s not in complete and (step is None or s > step))
+
+
+def move_aside(folder: Path, bad: list[int], resume_step: int | None) -> list[str]:
+    """Renames each unreadable ``step-<N>`` to ``step-<N>.corrupt`` (never deleted or overwritten); returns the
+    loud console lines."""
+    notes = []
+    for s in bad:
+        src = folder / f"step-{s}"
+        aside, k = src.with_name(src.name + ".corrupt"), 1
+        while aside.exists():
+            aside, k = src.with_name(f"{src.name}.corrupt{k}"), k + 1
+        os.replace(src, aside)
+        notes.append(f"WARNING: checkpoint {src} is unreadable (no .metadata); moved it aside to {aside.name} and "
+                     f"resuming from {f'step-{resume_step}' if resume_step is not None else 'scratch'}")
+    return notes
+
+
 class Checkpointer:
     """Saves and restores the training state: model, optimizer, LR schedule, data position, step, RNG."""
 
-    def __init__(self, folder: Path, keep_latest_k: int, states: dict[str, Any], config_toml: str):
+    def __init__(self, folder: Path, keep_latest_k: int, states: dict[str, Any], config_toml: str,
+                 meta: dict[str, Any] | None = None):
         self.folder = Path(folder)
         self.keep_latest_k = keep_latest_k
         self.states = states
         self.config_toml = config_toml
+        self.meta = meta or {}
         self.rank = dist.get_rank()
+        self._expected_bytes: int | None = None
+
+    def expected_bytes(self) -> int:
+        """Bytes of a checkpoint: the newest one on disk, else the state's tensor bytes over all ranks."""
+        if self._expected_bytes is None:
+            local = 0
+            for key in ("model", "optimizer"):
+                for t in self.states[key].state_dict().values():
+                    if isinstance(t, torch.Tensor):
+                        t = t.to_local() if isinstance(t, DTensor) else t
+                        local += t.numel() * t.element_size()
+            total = torch.tensor([float(local)])
+            dist.all_reduce(total, group=_cpu_group())
+            self._expected_bytes = int(total.item())
+        return self._expected_bytes
+
+    def _check_space(self, step: int, final: Path) -> None:
+        needed = self.expected_bytes()
+        steps = list_checkpoints(self.folder)
+        if steps:
+            needed = max(needed, folder_bytes(self.folder / f"step-{steps[-1]}"))
+        free = shutil.disk_usage(self.folder).free
+        if free < needed * 1.05:
+            raise CheckpointError(f"not enough space on device to save step {step} to {final} (needs ~{_gib(needed)}, "
+                                  f"{_gib(free)} free); previous checkpoints are kept; free space, lower "
+                                  "checkpoint.keep_latest_k or set job.dump_folder elsewhere")
 
     def save(self, step: int) -> Path:
         final = self.folder / f"step-{step}"
         tmp = self.folder / f".tmp-step-{step}"
-        if self.rank == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        dist.barrier()
-        dcp.save(self.states, checkpoint_id=str(tmp))
-        dist.barrier()
-        if self.rank == 0:
-            (tmp / "config.toml").write_text(self.config_toml)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+        needed = self.expected_bytes()
+
+        def prepare() -> None:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._check_space(step, final)
+                tmp.mkdir()
+            except OSError as e:
+                raise CheckpointError(f"cannot write checkpoint step {step} to {final} ({e.strerror or e}); make "
+                                      "the folder writable or set job.dump_folder elsewhere") from None
+
+        on_rank0(prepare, _cpu_group())
+        try:
+            dcp.save(self.states, checkpoint_id=str(tmp))
+            dist.barrier()
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise self._save_failed(step, final, tmp, needed, e) from None
+
+        def commit() -> None:
+            try:
+                (tmp / "config.toml").write_text(self.config_toml)
+                (tmp / "meta.json").write_text(json.dumps({**self.meta, "step": step}, indent=1))
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise self._save_failed(step, final, tmp, needed, e) from None
             self._purge()
+
+        on_rank0(commit, _cpu_group())
         dist.barrier()
         return final
+
+    @staticmethod
+    def _save_failed(step: int, final: Path, tmp: Path, needed: int, e: BaseException) -> CheckpointError:
+        if _is_disk_full(e):
+            return CheckpointError(f"no space left on device while saving step {step} to {final} (needs "
+                                   f"~{_gib(needed)}); removed the partial {tmp.name}, previous checkpoints are "
+                                   "kept; free space or set job.dump_folder elsewhere")
+        return CheckpointError(f"saving step {step} to {final} failed ({_first_line(_root_causes(e)[0])}); removed "
+                               f"the partial {tmp.name}, previous checkpoints are kept")
 
     def _purge(self) -> None:
         for stale in self.folder.glob(".tmp-step-*"):
@@ -117,47 +254,130 @@ class Checkpointer:
             for step in list_checkpoints(self.folder)[:-self.keep_latest_k]:
                 shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
 
-    def load(self, load_step: int) -> int | None:
-        """Restores the requested (or newest) checkpoint in place; returns its step, or None if none."""
-        if load_step == 0:
-            return None
-        steps = list_checkpoints(self.folder)
-        if not steps:
-            if load_step > 0:
-                raise CheckpointError(f"checkpoint.load_step = {load_step} but {self.folder} has no checkpoints")
-            return None
-        step = steps[-1] if load_step < 0 else load_step
-        if step not in steps:
-            raise CheckpointError(f"checkpoint.load_step = {load_step} not found in {self.folder}; "
-                                  f"available: {', '.join(map(str, steps))}")
+    def load(self, step: int) -> None:
+        """Restores checkpoint ``step`` in place (chosen by :func:`select_checkpoint`); CheckpointError with one
+        line naming the checkpoint and what does not match when it cannot."""
         path = self.folder / f"step-{step}"
-        check_compatible(path, self.config_toml)
+        older = [s for s in list_checkpoints(self.folder) if s < step]
+        fix = (f"move it aside (mv {path} {path}.corrupt) to resume from step-{older[-1]}" if older else
+               "start a new run (another job.name, or checkpoint.load_step = 0)")
+        try:
+            metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {path} is damaged: its .metadata is unreadable ({_first_line(e)}); "
+                                  f"{fix}") from None
+        self._check_shapes(path, metadata)
         try:
             dcp.load(self.states, checkpoint_id=str(path))
         except CheckpointError:
             raise
-        except Exception as e:  # DCP raises assorted errors for missing keys / shape mismatches
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"cannot load {path}: {first[:300]} (does the checkpoint match this model "
-                                  f"and optimizer?)") from None
-        return step
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise CheckpointError(f"cannot load checkpoint {path}: {_first_line(_root_causes(e)[0])} (a truncated "
+                                  f"or damaged shard, or another model/optimizer); {fix}") from None
+
+    def _check_shapes(self, path: Path, metadata) -> None:
+        """Every model tensor must exist in the checkpoint with this run's global shape."""
+        saved = metadata.state_dict_metadata
+        for fqn, t in self.states["model"].state_dict().items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = f"model.{fqn}"
+            have = tuple(saved[key].size) if key in saved and hasattr(saved[key], "size") else None
+            if have != tuple(t.shape):
+                what = f"holds {key} with shape {list(have)}" if have is not None else f"has no {key}"
+                raise CheckpointError(f"checkpoint {path} {what}, this run builds {list(t.shape)} (another model, "
+                                      "seq_len or vocabulary); use the checkpoint's settings or start a new run "
+                                      "(another job.name, or checkpoint.load_step = 0)")
 
 
-def check_compatible(path: Path, current_toml: str) -> None:
-    """The model spec/flavor/options and optimizer name of the checkpoint must match the current run."""
+def _cpu_group():
+    """A gloo group for small host-side collectives (the default group is NCCL on GPU)."""
+    global _GLOO
+    if dist.get_backend() == "gloo":
+        return None
+    if _GLOO is None:
+        _GLOO = dist.new_group(backend="gloo")
+    return _GLOO
+
+
+_GLOO = None
+
+# Settings whose change on resume breaks the run, with the reason (``model.*`` is checked as a section).
+BREAKING = {
+    "optimizer.name": "the optimizer state differs",
+    **{f"optimizer.{k}": "the optimizer state layout differs" for k in (
+        "tile_size", "tile_size_overrides", "tile_alignment", "basis", "max_precond_dim", "vocab_axis", "one_d",
+        "soap_factor_dtype", "no_decay")},
+    "training.seq_len": "positions and data windows differ",
+    "training.global_batch_size": "the data position and tokens per step differ",
+    "training.seed": "the data order and OrthoAdam bases differ",
+    "data.source": "the data stream differs",
+    "data.text_field": "the data stream differs",
+    "data.val_fraction": "the train/validation split differs",
+    "data.tokenizer": "token ids differ",
+    **{f"lr_scheduler.{k}": "the LR schedule changes mid-run" for k in (
+        "warmup_steps", "decay", "decay_ratio", "min_lr_ratio")},
+}
+IGNORED = {"checkpoint.load_step", "checkpoint.allow_config_change", "job.dry_run"}
+
+
+def config_changes(saved_toml: str, current_toml: str, saved_meta: dict | None = None,
+                   current_meta: dict | None = None) -> list[tuple[str, Any, Any, str | None]]:
+    """(key, saved, current, why-it-breaks or None) for every setting that differs between a checkpoint's
+    config and this run's. A changed ``training.steps`` breaks the run only when it changes the LR schedule's
+    length (``lr_scheduler.total_steps`` unset): pin ``lr_scheduler.total_steps`` to train longer on the same
+    schedule."""
     from outlier_titan.config.manager import tomllib
 
+    saved, current = tomllib.loads(saved_toml), tomllib.loads(current_toml)
+    out = []
+    for section in sorted(set(saved) | set(current)):
+        a, b = saved.get(section, {}), current.get(section, {})
+        for key in sorted(set(a) | set(b)):
+            name = f"{section}.{key}"
+            if name in IGNORED or a.get(key) == b.get(key):
+                continue
+            why = "the model differs" if section == "model" else BREAKING.get(name)
+            out.append((name, a.get(key), b.get(key), why))
+
+    def schedule_length(cfg: dict) -> Any:
+        return cfg.get("lr_scheduler", {}).get("total_steps") or cfg.get("training", {}).get("steps")
+
+    if schedule_length(saved) != schedule_length(current):
+        out = [(k, a, b, "the LR schedule length changes mid-run (pin lr_scheduler.total_steps = "
+                         f"{schedule_length(saved)} to keep it)" if k in ("training.steps", "lr_scheduler.total_steps")
+                else why) for k, a, b, why in out]
+    # The tokenizer's fingerprint (a hash of its BPE ranks) decides: a moved file is fine, other ranks are not.
+    fa, fb = (saved_meta or {}).get("tokenizer"), (current_meta or {}).get("tokenizer")
+    if fa and fb:
+        out = [(k, a, b, None if k == "data.tokenizer" else why) for k, a, b, why in out]
+        if fa != fb:
+            out.append(("tokenizer vocabulary", fa[:24], fb[:24], "other BPE ranks: token ids differ"))
+    return out
+
+
+def check_resume(path: Path, current_toml: str, current_meta: dict, allow_change: bool) -> list[str]:
+    """Compares the checkpoint's saved config (the reference) with this run's. Returns one console line per
+    changed setting; raises CheckpointError naming the breaking ones unless ``allow_change``."""
     saved_file = path / "config.toml"
     if not saved_file.is_file():
-        return
-    saved, current = tomllib.loads(saved_file.read_text()), tomllib.loads(current_toml)
-    for section, keys in (("model", None), ("optimizer", ("name",))):
-        a, b = saved.get(section, {}), current.get(section, {})
-        for key in (keys or sorted(set(a) | set(b))):
-            if a.get(key) != b.get(key):
-                raise CheckpointError(
-                    f"checkpoint {path} was trained with {section}.{key} = {a.get(key)!r}, this run has "
-                    f"{b.get(key)!r}; use the same setting or start a new run (job.name) / checkpoint.load_step = 0")
+        saved_file = path.parent.parent / "config.toml"
+    if not saved_file.is_file():
+        return []
+    meta_file = path / "meta.json"
+    try:
+        saved_meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    except ValueError:
+        saved_meta = {}
+    changes = config_changes(saved_file.read_text(), current_toml, saved_meta, current_meta)
+    breaking = [(k, a, b, why) for k, a, b, why in changes if why]
+    if breaking and not allow_change:
+        listed = "; ".join(f"{k} {a!r} -> {b!r} ({why})" for k, a, b, why in breaking)
+        raise CheckpointError(f"checkpoint {path} was trained with other settings that break the run: {listed}; "
+                              "restore them, pass --checkpoint.allow_config_change true, or start a new run "
+                              "(another job.name, or checkpoint.load_step = 0)")
+    return [f"resume changes {k}: {a!r} -> {b!r}" + (f" ({why}; allowed by checkpoint.allow_config_change)"
+                                                       if why else "") for k, a, b, why in changes]
 
 
 def load_model_for_eval(checkpoint: str | Path, device: str | torch.device = "cpu"):
@@ -188,9 +408,8 @@ def load_model_for_eval(checkpoint: str | Path, device: str | torch.device = "cp
         with warnings.catch_warnings():  # loading in one process is the intent here, not a fallback
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot load the model from {path}: {first[:300]}") from None
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"cannot load the model from {path}: {_first_line(_root_causes(e)[0])}") from None
     model.load_state_dict(state["model"])
     model.eval()
     return model, cfg, tokenizer

@@ -132,6 +132,8 @@ class Training:
                                      ("bfloat16", "float32"))
     mixed_precision_reduce: str = opt("float32", "Gradient reduce dtype.", ("bfloat16", "float32"))
     device: str = opt("auto", "Device type: auto (cuda if available), cuda or cpu.", ("auto", "cuda", "cpu"))
+    max_skipped_steps: int = opt(5, "Abort after this many consecutive steps with a non-finite gradient norm "
+                                    "(skipped updates); 0 = never abort.")
 
 
 @dataclass
@@ -161,6 +163,8 @@ class Checkpoint:
     initial_load_path: str = opt("", "Start from this model instead of a random init: an HF GPT-2/Llama folder or "
                                      "an export of scripts/export.py; its [model] replaces the config's. A "
                                      "checkpoint of the run itself still wins on resume.")
+    allow_config_change: bool = opt(False, "Resume even when a setting that breaks the run changed (model, "
+                                           "optimizer state layout, tokenizer, data, seq_len, LR schedule).")
 
 
 @dataclass

@@ -189,6 +189,11 @@ def validate(cfg: JobConfig) -> None:
         if v < 0 or (v == 0 and not allow_zero) or (isinstance(v, float) and not math.isfinite(v)):
             raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {v}")
 
+    for sec_name, section in _sections(cfg).items():
+        for f in dataclasses.fields(section):
+            v = getattr(section, f.name)
+            if isinstance(v, float):
+                _representable(f"{sec_name}.{f.name}", v)
     positive("training.steps", t.steps)
     positive("training.global_batch_size", t.global_batch_size)
     positive("training.seq_len", t.seq_len)
@@ -198,6 +203,7 @@ def validate(cfg: JobConfig) -> None:
     positive("optimizer.weight_decay", cfg.optimizer.weight_decay, allow_zero=True)
     positive("metrics.log_every", cfg.metrics.log_every)
     positive("checkpoint.interval", cfg.checkpoint.interval)
+    positive("training.max_skipped_steps", t.max_skipped_steps, allow_zero=True)
     positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, allow_zero=True)
     positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, allow_zero=True)
     positive("eval.every", cfg.eval.every, allow_zero=True)
@@ -221,6 +227,19 @@ def validate(cfg: JobConfig) -> None:
     bad = set(cfg.optimizer.no_decay) - {"norm", "bias", "embedding", "gain"}
     if bad:
         raise ConfigError(f"optimizer.no_decay: unknown class {sorted(bad)}; allowed: norm, bias, embedding, gain")
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.401298464324817e-45  # smallest positive (subnormal) float32
+
+
+def _representable(key: str, v: float) -> None:
+    """Float settings reach fp32 tensors: they must be finite and neither overflow nor flush to zero there."""
+    if not math.isfinite(v):
+        raise ConfigError(f"{key} must be a finite number, got {v}")
+    if abs(v) > _FLOAT32_MAX or (v != 0 and abs(v) < _FLOAT32_TINY):
+        raise ConfigError(f"{key} = {v:g} is not representable in float32 (magnitude between {_FLOAT32_TINY:.1e} "
+                          f"and {_FLOAT32_MAX:.1e}); use a realistic value")
 
 
 def help_text() -> str:

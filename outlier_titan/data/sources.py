@@ -78,9 +78,10 @@ class FileCorpus:
     val_fraction: float = 0.02
     doc_split: str = "file"        # "file", "index" (single jsonl/parquet) or "lines" (single txt)
     shuffled_with: int | None = None
+    source: str = ""               # what data.source named (a single file is named, not its folder)
 
     def describe(self) -> str:
-        return "embedded stdlib corpus" if self.kind == "embedded" else str(self.root)
+        return "embedded stdlib corpus" if self.kind == "embedded" else (self.source or str(self.root))
 
     def file_stats(self) -> list[tuple[str, int, int]]:
         """(relative path, size, mtime_ns) of every file, for cache fingerprints."""
@@ -224,6 +225,8 @@ def local_corpus(source: str, split: str, text_field: str = "text", val_fraction
         if path.suffix.lower() not in FILE_SUFFIXES:
             raise DataError(f"data.source: {source} is not a .txt, .jsonl or .parquet file; convert it or "
                             "point data.source at a folder of such files")
+        if path.stat().st_size == 0:
+            raise DataError(f"data.source: {source} is empty; put text in it or point data.source at another file")
         root, files = path.parent, [path.name]
     else:
         root = path
@@ -234,8 +237,9 @@ def local_corpus(source: str, split: str, text_field: str = "text", val_fraction
                             "point data.source at a folder that has")
     if len(files) == 1:
         doc_split = "lines" if files[0].lower().endswith(".txt") else "index"
-        return FileCorpus("files", root, files, split, text_field, val_fraction, doc_split)
-    return FileCorpus("files", root, _split_files(files, split, val_fraction), split, text_field, val_fraction)
+        return FileCorpus("files", root, files, split, text_field, val_fraction, doc_split, source=str(path))
+    return FileCorpus("files", root, _split_files(files, split, val_fraction), split, text_field, val_fraction,
+                      source=str(path))
 
 
 # ----------------------------------------------------------------------------------------------- HF streaming

@@ -30,3 +30,19 @@ def build_soap(groups: list[dict], cfg: OptimizerConfig, seed: int) -> SOAP:
     return SOAP(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
                 precondition_frequency=cfg.precondition_frequency, shampoo_beta=cfg.shampoo_beta,
                 stagger=cfg.refresh_stagger, factor_dtype=cfg.soap_factor_dtype, options=engine_options(cfg))
+
+
+def check_tile_plans(groups: list[dict], cfg: OptimizerConfig) -> None:
+    """The tile engine's per-parameter checks (tile alignment with the shards, dimensionality) on the sharded
+    parameters' layout alone: run on the meta model, they fail in seconds instead of after materialising it."""
+    if cfg.name not in ("orthoadam", "soap"):
+        return
+    from outlier_titan.optim.bases import resolve_representation
+    from outlier_titan.optim.tile_engine import plan_param
+
+    cls = SOAP if cfg.name == "soap" else OrthoAdam
+    pow2 = cfg.name == "orthoadam" and resolve_representation(cfg.basis)[0] == "hadamard"
+    options = engine_options(cfg)
+    for group in groups:
+        for p, fqn in zip(group["params"], group["names"]):
+            plan_param(fqn, p, options, cls.group_other_axis, pow2, cls.stacked_state)
