@@ -31,6 +31,10 @@ class Job:
 class Model:
     name: str = opt("pre_ln", "Model spec (see the registry: pre_ln, op, angpt, ngpt).")
     flavor: str = opt("debug", "Named size of the spec (e.g. debug, gpt2_124m, llama_1b).")
+    dim: int | None = opt(None, "Model width d_model; default: the flavor's (sweeps vary sizes with it).")
+    n_layers: int | None = opt(None, "Number of blocks; default: the flavor's.")
+    n_heads: int | None = opt(None, "Attention heads; default: the flavor's.")
+    ffn_hidden: int | None = opt(None, "MLP hidden width; default: the spec's rule (e.g. 4 x dim).")
     norm: str | None = opt(None, "pre_ln: norm type (rmsnorm_single: one scalar gain, seed 000's RMSNormSingle; "
                                  "rmsnorm_nogain: no gain).",
                            ("layernorm", "rmsnorm", "rmsnorm_single", "rmsnorm_nogain"))
