@@ -91,8 +91,10 @@ def _positive(name: str, v: int | None) -> None:
 def cmd_run(args) -> int:
     from outlier_titan.study.plan import read_manifest
 
-    for name in ("parallel", "nproc", "nodes", "gpus_per_node", "signal_seconds"):
+    for name in ("parallel", "nproc", "nodes", "signal_seconds"):
         _positive(name.replace("_", "-"), getattr(args, name))
+    if args.gpus_per_node is not None and args.gpus_per_node < 0:
+        raise UserError(f"--gpus-per-node must be >= 0 (0: a CPU job, one rank per node), got {args.gpus_per_node}")
     manifest = read_manifest(args.sweep_dir)
     if args.local:
         from outlier_titan.study.runner import run_points

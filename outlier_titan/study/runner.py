@@ -131,7 +131,7 @@ def _child_setup(parent: int) -> None:  # pragma: no cover - runs in the forked 
 def trainer_command(sweep_dir: Path, entry: dict[str, Any], nproc: int = 1, nnodes: int = 1,
                     rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> list[str]:
     """``train.py`` on the point's config (torchrun for several ranks; c10d rendezvous for several nodes)."""
-    folder = point_dir(sweep_dir, entry["name"])
+    folder = point_dir(sweep_dir, entry["name"]).resolve()
     args = [str(REPO / "train.py"), "--config", str(folder / "config.toml"),
             "--job.dump_folder", str(folder.parent.resolve()), "--job.name", entry["name"]]
     if nproc == 1 and nnodes == 1:
@@ -204,7 +204,7 @@ class PointRun:
             f.flush()
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             self.proc = subprocess.Popen(self.command, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=str(REPO), env=env, preexec_fn=lambda p=os.getpid(): _child_setup(p))
+                                         env=env, preexec_fn=lambda p=os.getpid(): _child_setup(p))
         if self.primary:
             self.state.update(status="running", pid=self.proc.pid, host=socket.gethostname(), started=self.t0,
                               attempts=self.state.get("attempts", 0) + 1, error="")
@@ -283,7 +283,7 @@ def run_points(sweep_dir: str | Path, manifest: dict[str, Any], indices: list[in
     from tqdm import tqdm
 
     tqdm_module.tqdm.monitor_interval = 0  # no monitor thread: children are forked with a preexec_fn
-    sweep_dir = Path(sweep_dir)
+    sweep_dir = Path(sweep_dir).resolve()
     entries = [manifest["points"][i] for i in (indices if indices is not None else range(len(manifest["points"])))]
     result: dict[str, str] = {}
     todo = []

@@ -50,7 +50,6 @@ def slurm_script(sweep_dir: Path, indices: list[int], options: dict[str, Any], p
     task = (f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'scripts' / 'sweep.py'))} task "
             f"{shlex.quote(str(sweep_dir))} --index \"$SLURM_ARRAY_TASK_ID\" --nproc {nproc}")
     lines += ["set -uo pipefail",
-              f"cd {shlex.quote(str(REPO))}",
               "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}",
               "export PYTHONFAULTHANDLER=1",
               "NNODES=${SLURM_NNODES:-1}",
