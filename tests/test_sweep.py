@@ -233,54 +233,79 @@ def test_collect_table_and_tensorboard_hparams(local_sweep):
     assert n_hparams == 1
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _checkpoints(folder: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in folder.glob("step-*"))
+
+
 @pytest.mark.slow
-def test_kill_9_then_rerun_resumes(tmp_path):
+def test_sigterm_then_kill_9_then_rerun_resumes(tmp_path):
+    """SIGTERM to the sweep stops its trainer cleanly at a checkpoint; kill -9 of the sweep takes the trainer
+    down with it (PDEATHSIG); a rerun skips the finished point and resumes the interrupted one."""
     text = f"""
     base = "{BASE}"
     name = "p{{index}}"
     {TINY.replace("checkpoint.interval = 3", "checkpoint.interval = 5").replace("eval.every = 3", "eval.every = 0")
           .replace("observe.every = 3", "observe.every = 0").replace("training.steps = 6", "")}
     [zip]
-    training.steps = [6, 60]
+    training.steps = [6, 80]
     """
     path = write(tmp_path, text)
     assert cli("plan", str(path), "--out", "out", cwd=tmp_path).returncode == 0
     out = tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    sweep = subprocess.Popen([sys.executable, str(REPO / "scripts" / "sweep.py"), "run", "out", "--local"],
-                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpts = out / "points" / "p1" / "checkpoints"
-    deadline = time.time() + 300
-    while not (ckpts / "step-5").is_dir() and time.time() < deadline and sweep.poll() is None:
-        time.sleep(0.05)
-    sweep.kill()  # SIGKILL: no chance to forward anything
-    sweep.wait()
-    assert (ckpts / "step-5").is_dir(), "the second point never checkpointed"
-    state = json.loads((out / "points" / "p1" / "sweep_state.json").read_text())
-    assert state["status"] == "running"
-    trainer = state["pid"]
-    deadline = time.time() + 60
-    while Path(f"/proc/{trainer}").exists() and time.time() < deadline:  # PDEATHSIG -> SIGTERM -> exit
-        try:
-            if Path(f"/proc/{trainer}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z":
-                break
-        except OSError:
-            break
-        time.sleep(0.1)
-    assert not Path(f"/proc/{trainer}/cmdline").exists() or not Path(f"/proc/{trainer}/cmdline").read_bytes(), \
-        "the trainer outlived the killed sweep"
-    interrupted_at = max(int(p.name.split("-")[1]) for p in ckpts.glob("step-*"))
-    assert interrupted_at < 60
-    assert "pending" in cli("status", "out", cwd=tmp_path).stdout.splitlines()[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
+    def start_and_wait_for_checkpoint_after(step: int) -> subprocess.Popen:
+        sweep = subprocess.Popen([sys.executable, str(REPO / "scripts" / "sweep.py"), "run", "out", "--local"],
+                                 cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while not [s for s in _checkpoints(ckpts) if s > step] and time.time() < deadline and sweep.poll() is None:
+            time.sleep(0.05)
+        assert [s for s in _checkpoints(ckpts) if s > step], "the second point never checkpointed"
+        return sweep
+
+    # 1. SIGTERM: forwarded, the trainer checkpoints at its next step and exits; the point is pending
+    sweep = start_and_wait_for_checkpoint_after(0)
+    sweep.send_signal(signal.SIGTERM)
+    _, err = sweep.communicate(timeout=120)
+    assert sweep.returncode == 1 and "SIGTERM received" in err, err
+    stopped = _checkpoints(ckpts)[-1]
+    assert 5 <= stopped < 80
+    state = json.loads((out / "points" / "p1" / "sweep_state.json").read_text())
+    assert state["status"] == "pending" and state["error"] == "interrupted" and state["returncode"] == 0
+    assert f"SIGTERM received: stopped after step {stopped}" in (out / "points" / "p1" / "train.log").read_text()
+
+    # 2. kill -9: no chance to forward anything; PDEATHSIG stops the trainer
+    sweep = start_and_wait_for_checkpoint_after(stopped)
+    sweep.kill()
+    sweep.wait()
+    state = json.loads((out / "points" / "p1" / "sweep_state.json").read_text())
+    assert state["status"] == "running" and state["attempts"] == 2
+    deadline = time.time() + 60
+    while not _gone(state["pid"]) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _gone(state["pid"]), "the trainer outlived the killed sweep"
+    interrupted_at = _checkpoints(ckpts)[-1]
+    assert stopped < interrupted_at < 80
+    assert cli("status", "out", cwd=tmp_path).stdout.splitlines()[2].split()[:2] == ["p1", "pending"]
+
+    # 3. rerun: the finished point is not re-run, the interrupted one resumes from its checkpoint
     rerun = cli("run", "out", "--local", cwd=tmp_path)
     assert rerun.returncode == 0, rerun.stderr
     first = json.loads((out / "points" / "p0" / "sweep_state.json").read_text())
-    assert first["attempts"] == 1  # finished point not re-run
+    assert first["attempts"] == 1
     assert (out / "points" / "p0" / "train.log").read_text().count("==== sweep attempt") == 1
     second = json.loads((out / "points" / "p1" / "sweep_state.json").read_text())
-    assert second["attempts"] == 2 and second["status"] == "done"
+    assert second["attempts"] == 3 and second["status"] == "done"
     log = (out / "points" / "p1" / "train.log").read_text()
+    assert f"resumed from {ckpts / f'step-{stopped}'}" in log
     assert f"resumed from {ckpts / f'step-{interrupted_at}'}" in log
     assert cli("collect", "out", cwd=tmp_path).returncode == 0
     rows = read_csv(out / "results.csv")
