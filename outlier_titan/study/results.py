@@ -144,7 +144,16 @@ def write_tables(sweep_dir: str | Path, columns: list[str], rows: list[dict[str,
         import pyarrow.parquet as pq
     except ImportError:
         return written
-    table = pa.table({c: [r.get(c) for r in rows] for c in columns})
+    data = {}
+    for c in columns:
+        values = [r.get(c) for r in rows]
+        kinds = {type(v) for v in values if v is not None}
+        if str in kinds and len(kinds) > 1:  # a mixed column (e.g. an axis of numbers and names): text
+            values = [None if v is None else str(v) for v in values]
+        elif kinds <= {int, float} and float in kinds:
+            values = [None if v is None else float(v) for v in values]
+        data[c] = values
+    table = pa.table(data)
     path = sweep_dir / "results.parquet"
     pq.write_table(table, path)
     written.append(path)

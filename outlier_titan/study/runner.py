@@ -32,6 +32,7 @@ from typing import Any
 
 from outlier_titan.checkpoint.manager import list_checkpoints
 from outlier_titan.config.manager import tomllib
+from outlier_titan.errors import UserError
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.study.plan import point_dir
 
@@ -176,6 +177,22 @@ def write_hparams(folder: Path, entry: dict[str, Any]) -> None:
         writer.close()
 
 
+def wait_for_previous_trainers(sweep_dir: Path, entries: list[dict[str, Any]], timeout: float = 120.0) -> None:
+    """Trainers of an earlier sweep on this host (killed with -9: they are saving their checkpoint) must exit
+    before their points start again; one still alive after ``timeout`` is a user error."""
+    deadline = time.time() + timeout
+    for e in entries:
+        state = read_state(point_dir(sweep_dir, e["name"]))
+        pid = state.get("pid")
+        if state.get("status") != "running" or state.get("host") != socket.gethostname() or not pid:
+            continue
+        while _alive(pid) and time.time() < deadline:
+            time.sleep(0.2)
+        if _alive(pid):
+            raise UserError(f"point {e['name']} is still being trained by pid {pid} (another sweep of "
+                            f"{sweep_dir}?); stop it or wait for it, then run again")
+
+
 class PointRun:
     """One attempt of one point: its child process and log."""
 
@@ -190,7 +207,6 @@ class PointRun:
         folder.mkdir(parents=True, exist_ok=True)
         self.state = read_state(folder) if self.primary else {}
         if self.primary:
-            self._wait_for_previous()
             cfg = point_config(self.entry)
             if cfg.get("metrics", {}).get("tensorboard", True) and not self.state.get("hparams_written"):
                 write_hparams(folder, self.entry)
@@ -209,17 +225,6 @@ class PointRun:
             self.state.update(status="running", pid=self.proc.pid, host=socket.gethostname(), started=self.t0,
                               attempts=self.state.get("attempts", 0) + 1, error="")
             write_state(folder, self.state)
-
-    def _wait_for_previous(self, timeout: float = 300.0) -> None:
-        """A trainer of an earlier sweep (killed with -9) may still be saving its checkpoint: wait for it."""
-        pid = self.state.get("pid")
-        if self.state.get("status") != "running" or self.state.get("host") != socket.gethostname() or not pid:
-            return
-        deadline = time.time() + timeout
-        while _alive(pid) and time.time() < deadline:
-            time.sleep(0.2)
-        if _alive(pid):
-            raise RuntimeError(f"point {self.entry['name']}: trainer pid {pid} of an earlier sweep is still running")
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -292,6 +297,8 @@ def run_points(sweep_dir: str | Path, manifest: dict[str, Any], indices: list[in
             result[e["name"]] = "done"
         else:
             todo.append(e)
+    if primary:
+        wait_for_previous_trainers(sweep_dir, todo)
     skipped = len(entries) - len(todo)
     bar = tqdm(total=len(entries), initial=skipped, desc="sweep", unit="point", disable=not progress,
                file=sys.stderr, dynamic_ncols=True)
