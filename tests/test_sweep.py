@@ -330,14 +330,16 @@ print("Submitted batch job 4242")
 """
 
 
-def test_slurm_print_only_script(tmp_path):
+def test_slurm_print_only_script(tmp_path, capsys):
     path = write(tmp_path, THREE + "\n[slurm]\nnodes = 2\npartition = 'gpu'\ntime = '01:00:00'\n")
-    assert cli("plan", str(path), "--out", "out", cwd=tmp_path).returncode == 0
-    proc = cli("run", "out", "--slurm", "--print-only", "--account", "proj", "--gpus-per-node", "4",
-               "--parallel", "2", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    script = proc.stdout
-    assert script == (tmp_path / "out" / "slurm" / "sweep.sbatch").read_text() + "\n"
+    out = tmp_path / "out"
+    assert scripts_main()(["plan", str(path), "--out", str(out)]) == 0
+    capsys.readouterr()
+    rc = scripts_main()(["run", str(out), "--slurm", "--print-only", "--account", "proj", "--gpus-per-node", "4",
+                         "--parallel", "2"])
+    assert rc == 0
+    script = capsys.readouterr().out
+    assert script == (out / "slurm" / "sweep.sbatch").read_text() + "\n"
     for line in ("#SBATCH --array=0,1,2%2", "#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --time=01:00:00",
                  "#SBATCH --signal=B:USR1@120", "#SBATCH --requeue", "trap requeue USR1",
