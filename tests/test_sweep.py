@@ -254,7 +254,7 @@ def test_sigterm_then_kill_9_then_rerun_resumes(tmp_path):
     {TINY.replace("checkpoint.interval = 3", "checkpoint.interval = 5").replace("eval.every = 3", "eval.every = 0")
           .replace("observe.every = 3", "observe.every = 0").replace("training.steps = 6", "")}
     [zip]
-    training.steps = [6, 80]
+    training.steps = [6, 40]
     """
     path = write(tmp_path, text)
     assert cli("plan", str(path), "--out", "out", cwd=tmp_path).returncode == 0
@@ -277,7 +277,7 @@ def test_sigterm_then_kill_9_then_rerun_resumes(tmp_path):
     _, err = sweep.communicate(timeout=120)
     assert sweep.returncode == 1 and "SIGTERM received" in err, err
     stopped = _checkpoints(ckpts)[-1]
-    assert 5 <= stopped < 80
+    assert 5 <= stopped < 40
     state = json.loads((out / "points" / "p1" / "sweep_state.json").read_text())
     assert state["status"] == "pending" and state["error"] == "interrupted" and state["returncode"] == 0
     assert f"SIGTERM received: stopped after step {stopped}" in (out / "points" / "p1" / "train.log").read_text()
@@ -293,7 +293,7 @@ def test_sigterm_then_kill_9_then_rerun_resumes(tmp_path):
         time.sleep(0.1)
     assert _gone(state["pid"]), "the trainer outlived the killed sweep"
     interrupted_at = _checkpoints(ckpts)[-1]
-    assert stopped < interrupted_at < 80
+    assert stopped < interrupted_at < 40
     assert cli("status", "out", cwd=tmp_path).stdout.splitlines()[2].split()[:2] == ["p1", "pending"]
 
     # 3. rerun: the finished point is not re-run, the interrupted one resumes from its checkpoint
