@@ -77,6 +77,10 @@ def cmd_plan(args) -> int:
     manifest, changes = write_plan(sweep, out, force=args.force)
     for line in changes:
         print(f"re-planned: {line}", file=sys.stderr)
+    no_ckpt = [p.name for p in sweep.points if not p.cfg.checkpoint.enable]
+    if no_ckpt:
+        print(f"warning: checkpoint.enable is false for {len(no_ckpt)} point(s) (e.g. {no_ckpt[0]}): an interrupted "
+              f"point restarts from step 0; set checkpoint.enable = true in [fixed] to resume", file=sys.stderr)
     print(plan_table(manifest))
     print(f"wrote {out / 'manifest.json'} and {len(manifest['points'])} point configs under {out / 'points'}",
           file=sys.stderr)
