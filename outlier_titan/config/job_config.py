@@ -41,7 +41,7 @@ class Model:
     qk_norm: bool | None = opt(None, "Per-head RMSNorm on queries and keys (GPT+).")
     mlp: str | None = opt(None, "MLP type.", ("gelu", "swiglu", "relu"))
     tie_embeddings: bool | None = opt(None, "Share input embedding and output head weights.")
-    dim: int | None = opt(None, "Residual width (overrides the flavor; set by Hugging Face imports).")
+    dim: int | None = opt(None, "Residual width (overrides the flavor; set by sweeps and Hugging Face imports).")
     n_layers: int | None = opt(None, "Number of blocks (overrides the flavor).")
     n_heads: int | None = opt(None, "Attention heads (overrides the flavor).")
     n_kv_heads: int | None = opt(None, "Key/value heads for grouped-query attention (overrides the flavor).")

@@ -130,6 +130,13 @@ def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
     setattr(section, key, converted)
 
 
+def set_values(cfg: JobConfig, values: dict[str, Any]) -> None:
+    """Sets typed ``section.key`` values (TOML types) with the checks a config file gets; call
+    :func:`validate` afterwards."""
+    for dotted, value in values.items():
+        _set(cfg, dotted, value, from_cli=False)
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():

@@ -1,1 +1,1 @@
-"""Studies: sweeps of runs, their collected tables, scaling-law fits and plots."""
+"""The study layer: sweeps of training runs (plan, run locally or on Slurm, status, collect) and their fits."""
