@@ -6,6 +6,7 @@ optimizer -> LR schedule -> data -> checkpoint load -> steps.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from outlier_titan import preempt
 from outlier_titan.checkpoint.manager import Checkpointer, ModelState, OptimizerState
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, to_toml
@@ -125,8 +127,7 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, self.rank, cfg.metrics.tensorboard)
         self.throughput = Throughput(self.flops_per_token, self.device, self.world_size)
         self.probe = None
-        self.sigterm_received = False  # set by the signal handler on this rank
-        self.preempted = False  # any rank received SIGTERM (reduced)
+        self.preempted = False  # some rank received a stop signal (reduced over ranks)
         self.tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
         self.cross_entropy = torch.compile(cross_entropy_sum) if cfg.compile.enable else cross_entropy_sum
 
@@ -203,7 +204,6 @@ class Trainer:
             self.train_iter = iter(self.train_loader)
             self.logger.mark_resume(resumed)
             self.log0(f"resumed from {self.checkpointer.folder / f'step-{resumed}'}")
-        self._install_sigterm()
         self.log0(f"model {cfg.model.name}/{cfg.model.flavor}: {self.n_params / 1e6:.2f}M params, "
                   f"{self.flops_per_token / 1e6:.1f} MFLOP/token | world {self.world_size} "
                   f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, tp {self.dims.tp}) "
@@ -212,6 +212,9 @@ class Trainer:
         if self.probe is None and cfg.observe.every > 0:
             self._build_probe()
         self.throughput.reset()
+        if self._preempt_now():  # a stop signal during start-up: the step reached is already saved
+            self.log0(f"{self.preempted} received during start-up: stopped before step {self.state.step + 1}")
+            return
         while self.state.step < cfg.training.steps:
             self.state.step += 1
             step = self.state.step
@@ -233,7 +236,8 @@ class Trainer:
                 self.log0(f"checkpoint saved: {path}")
                 self.throughput.reset()
             if stop:
-                self.log0(f"SIGTERM received: stopped after step {step}")
+                saved = "checkpoint saved" if cfg.checkpoint.enable else "checkpointing disabled, nothing saved"
+                self.log0(f"{self.preempted} received: stopped after step {step} ({saved})")
                 break
 
     def _log(self, step: int, loss: torch.Tensor, norm: torch.Tensor, lr: float) -> None:
@@ -260,20 +264,16 @@ class Trainer:
         self.logger.log(step, scalars, images)
         self.throughput.reset()
 
-    def _install_sigterm(self) -> None:
-        if self.cfg.checkpoint.enable:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, *_):
-        self.sigterm_received = True
-
-    def _preempt_now(self) -> bool:
-        """True on every rank once any rank got SIGTERM (Slurm preemption)."""
-        if not self.cfg.checkpoint.enable:
-            return False
-        flag = torch.tensor([1.0 if self.sigterm_received else 0.0])
+    def _preempt_now(self) -> str | bool:
+        """The stop signal's name on every rank once any rank got one (checkpoint.stop_signals), else False.
+        A rank whose launcher died stops here, before it can write anything."""
+        if not preempt.launcher_alive():
+            print(f"rank {self.rank}: launcher is gone; stopping without saving", file=sys.stderr, flush=True)
+            os._exit(1)
+        name = preempt.stop_requested()
+        flag = torch.tensor([float(getattr(signal, name)) if name else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group())
-        self.preempted = bool(flag.item())
+        self.preempted = signal.Signals(int(flag.item())).name if flag.item() else False
         return self.preempted
 
     def _cpu_group(self):
@@ -297,6 +297,7 @@ def main(argv: list[str]) -> int:
     trainer = None
     try:
         cfg = parse_args(argv)
+        preempt.configure(cfg.checkpoint.stop_signals)
         if cfg.job.dry_run:
             from outlier_titan.parallel.planning import dry_run
 
@@ -307,6 +308,7 @@ def main(argv: list[str]) -> int:
         trainer.close()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        preempt.report_user_error(f"error: {e}")
         if dist.is_initialized():
             dist.destroy_process_group()
         return 2

@@ -151,6 +151,8 @@ class Checkpoint:
     interval: int = opt(100, "Save every N steps (and at the last step).")
     keep_latest_k: int = opt(3, "Keep this many newest checkpoints (0 = keep all).")
     load_step: int = opt(-1, "Resume from this step (-1 = newest complete checkpoint, 0 = do not resume).")
+    stop_signals: str = opt("SIGTERM,SIGUSR1", "Signals that make every rank finish its step, save a checkpoint "
+                                               "and exit 0 (comma-separated; from SIGTERM, SIGUSR1, SIGUSR2).")
 
 
 @dataclass
