@@ -47,6 +47,8 @@ SlurmdPort=$SLURMD_PORT
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job may start again cred_expire + 1 s after the requeue (Slurm's default: 120 s).
+AuthInfo=cred_expire=10
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool
 SlurmctldPidFile=$DIR/slurmctld.pid
@@ -66,7 +68,7 @@ SchedulerParameters=sched_interval=1,bf_interval=1,sched_min_interval=100000
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
-# Keep finished jobs visible to `scontrol show job` for 10 minutes.
+# Keep finished jobs visible to scontrol show job for 10 minutes.
 MinJobAge=600
 KillWait=30
 NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
