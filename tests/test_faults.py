@@ -18,8 +18,6 @@ from outlier_titan.checkpoint.manager import list_checkpoints
 from outlier_titan.observe.logger import read_metrics
 from tests.launch import REPO, TINY
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
-
 STEPS = 12
 # Later overrides win: TINY with checkpoints every 3 steps, all of them kept.
 ARGS = [*TINY, "--training.steps", str(STEPS), "--checkpoint.enable", "true", "--checkpoint.interval", "3",
@@ -85,6 +83,8 @@ def reference(tmp_path_factory) -> dict[int, float]:
     return ref
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["kill", "kill_mid_save", "term", "usr1", "usr1_start_up"])
 def test_fault_then_resume_equals_uninterrupted(tmp_path, reference, case):
     rng = random.Random(f"faults-{case}")
@@ -129,7 +129,18 @@ def test_fault_then_resume_equals_uninterrupted(tmp_path, reference, case):
     assert list_checkpoints(run / "checkpoints")[-1] == STEPS
 
 
+def test_unknown_stop_signal_is_one_line(tmp_path):
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "train_configs/debug.toml"),
+           "--job.dump_folder", str(tmp_path), "--checkpoint.stop_signals", "SIGTERM,SIGHUP"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: checkpoint.stop_signals: SIGHUP cannot be used; choose from SIGTERM, "
+                                   "SIGUSR1, SIGUSR2 (comma-separated, '' for none)")
+    assert not (tmp_path / "debug").exists()
+
+
 @pytest.mark.dist
+@pytest.mark.slow
 def test_user_error_of_any_rank_reaches_the_console(tmp_path):
     """Issue 12: a user error on any rank is the launcher's last line, exit 2 (4 ranks, a bad data source)."""
     cmd = [sys.executable, "-m", "outlier_titan.launch", "--standalone", "--nproc_per_node=4",
