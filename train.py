@@ -3,9 +3,12 @@
 import os
 import sys
 
-from outlier_titan.trainer import main
-
 if __name__ == "__main__":
+    from outlier_titan import preempt
+
+    preempt.install_early()  # before the seconds-long torch import: an early stop signal must not kill the rank
+    from outlier_titan.trainer import main
+
     code = main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import signal
 import sys
 import time
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from outlier_titan import preempt
 from outlier_titan.checkpoint.export import apply_initial_model, load_model_state
 from outlier_titan.checkpoint.manager import (Checkpointer, ModelState, OptimizerState, check_resume,
                                               list_checkpoints, move_aside, select_checkpoint)
@@ -263,8 +265,7 @@ class Trainer:
             self.log0(f"resumed from {self.checkpointer.folder / f'step-{resume_step}'}")
         self.throughput = Throughput(self.flops_per_token, self.device, self.world_size)
         self.probe = None
-        self.sigterm_received = False  # set by the signal handler on this rank
-        self.preempted = False  # any rank received SIGTERM (reduced)
+        self.preempted = False  # some rank received a stop signal (reduced over ranks)
         self.tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
         self.cross_entropy = torch.compile(cross_entropy_sum) if cfg.compile.enable else cross_entropy_sum
 
@@ -358,7 +359,6 @@ class Trainer:
             return
         if self.resumed_step is None and cfg.checkpoint.initial_load_path:
             self.log0(f"weights from {cfg.checkpoint.initial_load_path}")
-        self._install_sigterm()
         self.log0(f"model {cfg.model.name}/{cfg.model.flavor}: {self.n_params / 1e6:.2f}M params, "
                   f"{self.flops_per_token / 1e6:.1f} MFLOP/token | world {self.world_size} "
                   f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, tp {self.dims.tp}) "
@@ -373,6 +373,9 @@ class Trainer:
         self.throughput.reset()
         self.t_start, self.step_start = time.perf_counter(), self.state.step
         self.last_loss = self.last_val = None
+        if self._preempt_now():  # a stop signal during start-up: the step reached is already saved
+            self.log0(f"{self.preempted} received during start-up: stopped before step {self.state.step + 1}")
+            return
         while self.state.step < total:
             self.state.step += 1
             step = self.state.step
@@ -404,7 +407,8 @@ class Trainer:
             if self.rank == 0:
                 self.run.heartbeat()
             if stop:
-                self.log0(f"SIGTERM received: stopped after step {step}")
+                saved = "checkpoint saved" if cfg.checkpoint.enable else "checkpointing disabled, nothing saved"
+                self.log0(f"{self.preempted} received: stopped after step {step} ({saved})")
                 break
         self.log0(self._summary())
 
@@ -486,20 +490,16 @@ class Trainer:
         self.logger.log(step, scalars, images, console=probe_headline(step, scalars))
         self.throughput.reset()
 
-    def _install_sigterm(self) -> None:
-        if self.cfg.checkpoint.enable:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, *_):
-        self.sigterm_received = True
-
-    def _preempt_now(self) -> bool:
-        """True on every rank once any rank got SIGTERM (Slurm preemption)."""
-        if not self.cfg.checkpoint.enable:
-            return False
-        flag = torch.tensor([1.0 if self.sigterm_received else 0.0])
+    def _preempt_now(self) -> str | bool:
+        """The stop signal's name on every rank once any rank got one (checkpoint.stop_signals), else False.
+        A rank whose launcher died stops here, before it can write anything."""
+        if not preempt.launcher_alive():
+            print(f"rank {self.rank}: launcher is gone; stopping without saving", file=sys.stderr, flush=True)
+            os._exit(1)
+        name = preempt.stop_requested()
+        flag = torch.tensor([float(getattr(signal, name)) if name else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group())
-        self.preempted = bool(flag.item())
+        self.preempted = signal.Signals(int(flag.item())).name if flag.item() else False
         return self.preempted
 
     def _cpu_group(self):
@@ -533,6 +533,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = parse_args(argv)
         apply_initial_model(cfg)
+        preempt.configure(cfg.checkpoint.stop_signals)
         if cfg.job.dry_run:
             from outlier_titan.parallel.planning import dry_run
 
@@ -543,6 +544,7 @@ def main(argv: list[str]) -> int:
         trainer.close()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        preempt.report_user_error(f"error: {e}")
         if trainer is not None:
             trainer.abort()
         if dist.is_initialized():

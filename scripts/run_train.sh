@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Local launcher: torchrun on one machine. Extra arguments are config overrides.
+# Local launcher: torchrun (through outlier_titan.launch, which lets the ranks checkpoint on SIGTERM/SIGUSR1)
+# on one machine. Extra arguments are config overrides.
 #   scripts/run_train.sh [CONFIG] [--section.key value ...]
 #   NGPU=4 scripts/run_train.sh train_configs/llama_1b_8gpu.toml --parallelism.tp 2
 # NGPU defaults to the number of visible GPUs (or 1 on a CPU-only machine; set NGPU for more gloo ranks).
@@ -14,5 +15,5 @@ fi
 LOG_RANK=${LOG_RANK:-0}
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec torchrun --standalone --nproc_per_node="$NGPU" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+exec python3 -m outlier_titan.launch --standalone --nproc_per_node="$NGPU" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   train.py --config "$CONFIG" "$@"

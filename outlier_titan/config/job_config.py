@@ -165,6 +165,8 @@ class Checkpoint:
                                      "checkpoint of the run itself still wins on resume.")
     allow_config_change: bool = opt(False, "Resume even when a setting that breaks the run changed (model, "
                                            "optimizer state layout, tokenizer, data, seq_len, LR schedule).")
+    stop_signals: str = opt("SIGTERM,SIGUSR1", "Signals that make every rank finish its step, save a checkpoint "
+                                               "and exit 0 (comma-separated; from SIGTERM, SIGUSR1, SIGUSR2).")
 
 
 @dataclass

@@ -1,0 +1,153 @@
+"""Fault injection: 2-rank runs under ``python -m outlier_titan.launch`` are killed (SIGKILL, also mid-save) or
+preempted (SIGTERM, SIGUSR1) at random points from a fixed seed, then resumed; the final losses must equal an
+uninterrupted run's, and no complete checkpoint may ever be lost or become unreadable."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from outlier_titan.checkpoint.manager import list_checkpoints
+from outlier_titan.observe.logger import read_metrics
+from tests.launch import REPO, TINY
+
+STEPS = 12
+# Later overrides win: TINY with checkpoints every 3 steps, all of them kept.
+ARGS = [*TINY, "--training.steps", str(STEPS), "--checkpoint.enable", "true", "--checkpoint.interval", "3",
+        "--checkpoint.keep_latest_k", "0"]
+
+
+def launch(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
+    """Starts a 2-rank run through the launcher, as ``scripts/run_train.sh`` does; output in ``<name>.log``."""
+    cmd = [sys.executable, "-m", "outlier_titan.launch", "--standalone", "--nproc_per_node=2",
+           str(REPO / "train.py"), "--config", str(REPO / "train_configs/debug.toml"),
+           "--job.dump_folder", str(tmp_path), "--job.name", name, *ARGS, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    log = open(tmp_path / f"{name}.log", "a")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> int:
+    return proc.wait(timeout=timeout)
+
+
+def wait_for(cond, timeout: float = 120.0, what: str = "") -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {s: r["loss"] for s, r in read_metrics(run_dir / "metrics.jsonl").items() if "loss" in r}
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def saving(run_dir: Path) -> bool:
+    folder = run_dir / "checkpoints"
+    return folder.is_dir() and any(p.name.startswith(".tmp-") for p in folder.iterdir())
+
+
+def ranks_of(launcher_pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def gone(pids: list[int]) -> bool:
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(") ")[-1][0] != "Z"
+        except OSError:
+            return False
+    return not any(alive(p) for p in pids)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    tmp = tmp_path_factory.mktemp("ref")
+    assert finish(launch(tmp, "ref")) == 0, (tmp / "ref.log").read_text()[-3000:]
+    ref = losses(tmp / "ref")
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    return ref
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["kill", "kill_mid_save", "term", "usr1", "usr1_start_up"])
+def test_fault_then_resume_equals_uninterrupted(tmp_path, reference, case):
+    rng = random.Random(f"faults-{case}")
+    run = tmp_path / "run"
+    proc = launch(tmp_path, "run")
+    if case == "usr1_start_up":
+        time.sleep(rng.uniform(0.5, 2.0))  # the ranks are still importing torch / building the model
+    elif case == "kill_mid_save":
+        wait_for(lambda: saving(run), what="a checkpoint being written")
+    else:
+        first = rng.randint(2, STEPS - 3)
+        wait_for(lambda: logged_steps(run) >= first, what=f"step {first}")
+    before = list_checkpoints(run / "checkpoints")
+    sig = {"kill": signal.SIGKILL, "kill_mid_save": signal.SIGKILL, "term": signal.SIGTERM}.get(case, signal.SIGUSR1)
+    ranks = ranks_of(proc.pid)
+    proc.send_signal(sig)
+    code = finish(proc)
+    log = (tmp_path / "run.log").read_text()
+    after = list_checkpoints(run / "checkpoints")
+    assert set(before) <= set(after), f"checkpoints lost: {before} -> {after}"
+    if sig == signal.SIGKILL:
+        # Launcher killed: its ranks die with it and write nothing more.
+        assert code == -signal.SIGKILL
+        wait_for(lambda: gone(ranks), timeout=5, what="the orphaned ranks to stop")
+        written = (list_checkpoints(run / "checkpoints"), logged_steps(run))
+        time.sleep(1.0)
+        assert (list_checkpoints(run / "checkpoints"), logged_steps(run)) == written
+        assert after == before, f"a checkpoint was committed after the launcher died: {before} -> {after}"
+    else:
+        assert code == 0, log[-3000:]
+        reached = max(losses(run), default=0)
+        assert reached < STEPS, "the signal came too late to test anything"
+        assert f"{sig.name} received" in log
+        # The checkpoint of the step reached (none needed when stopped before the first step).
+        assert (after[-1] if after else 0) == reached, (after, reached, log[-2000:])
+    for step in after:
+        assert (run / "checkpoints" / f"step-{step}" / ".metadata").is_file()
+
+    assert finish(launch(tmp_path, "run")) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    resumed = losses(run)
+    assert resumed == reference, {s: (resumed.get(s), reference[s]) for s in reference if resumed.get(s) != reference[s]}
+    assert list_checkpoints(run / "checkpoints")[-1] == STEPS
+
+
+def test_unknown_stop_signal_is_one_line(tmp_path):
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "train_configs/debug.toml"),
+           "--job.dump_folder", str(tmp_path), "--checkpoint.stop_signals", "SIGTERM,SIGHUP"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: checkpoint.stop_signals: SIGHUP cannot be used; choose from SIGTERM, "
+                                   "SIGUSR1, SIGUSR2 (comma-separated, '' for none)")
+    assert not (tmp_path / "debug").exists()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_user_error_of_any_rank_reaches_the_console(tmp_path):
+    """Issue 12: a user error on any rank is the launcher's last line, exit 2 (4 ranks, a bad data source)."""
+    cmd = [sys.executable, "-m", "outlier_titan.launch", "--standalone", "--nproc_per_node=4",
+           "--local-ranks-filter", "3", str(REPO / "train.py"), "--config", str(REPO / "train_configs/debug.toml"),
+           "--job.dump_folder", str(tmp_path), "--data.source", str(tmp_path / "missing.txt")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: data.source:") and "missing.txt" in last, proc.stderr[-3000:]
