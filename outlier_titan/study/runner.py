@@ -1,4 +1,5 @@
-"""Running sweep points through the trainer (``train.py``, or torchrun for several ranks or nodes).
+"""Running sweep points through the trainer (``train.py``, or ``outlier_titan.launch`` (torchrun) for several
+ranks or nodes).
 
 One code path for ``run --local`` (many points, ``--parallel K`` at a time) and a Slurm array task (one point):
 :func:`run_points`. Robustness rules:
@@ -9,9 +10,9 @@ One code path for ``run --local`` (many points, ``--parallel K`` at a time) and 
 - children are started with ``Popen`` from the main thread, in their own session (Ctrl-C reaches only the
   sweep, which then stops them cleanly) and with ``PR_SET_PDEATHSIG = SIGTERM``, so a ``kill -9`` of the sweep
   makes the trainer checkpoint and exit instead of running on as an orphan; the recorded pid is the trainer's
-  (torchrun's for several ranks);
+  (the launcher's for several ranks);
 - SIGTERM, SIGINT and SIGUSR1 to the sweep are passed to every running trainer as SIGTERM (the trainer's
-  "checkpoint at the next step boundary and exit 0"; torchrun forwards SIGTERM to its ranks), and no new point
+  "checkpoint at the next step boundary and exit 0"; the launcher forwards it to its ranks), and no new point
   starts;
 - a failing point does not stop the others: its status and the trainer's one-line ``error:`` message (or the
   last line of its log) are recorded in ``sweep_state.json``.
@@ -137,7 +138,8 @@ def trainer_command(sweep_dir: Path, entry: dict[str, Any], nproc: int = 1, nnod
             "--job.dump_folder", str(folder.parent.resolve()), "--job.name", entry["name"]]
     if nproc == 1 and nnodes == 1:
         return [sys.executable, *args]
-    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    # outlier_titan.launch, not plain torchrun: torchrun dies of SIGTERM and kills its ranks before they save.
+    launch = [sys.executable, "-m", "outlier_titan.launch", f"--nproc_per_node={nproc}"]
     if nnodes > 1:
         launch += [f"--nnodes={nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={rdzv_endpoint}",
                    f"--rdzv_id={rdzv_id or 'sweep'}"]
