@@ -103,7 +103,7 @@ def test_plan_cli_error_exit_code(tmp_path):
     proc = cli("plan", str(path), cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
-    assert "did you mean 'steps'" in proc.stderr
+    assert "did you mean 'training.steps'" in proc.stderr
 
 
 # ------------------------------------------------------------------------------------------ plan
