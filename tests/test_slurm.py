@@ -1,5 +1,6 @@
 """The cluster path against a real Slurm (``scripts/slurm_local.sh start``): ``scripts/multinode.slurm`` on
-1 node x 2 CPU ranks, time-limit preemption with requeue, and ``scancel``. Skipped when no Slurm answers."""
+1 node x 2 CPU ranks, time-limit preemption with requeue, ``scancel``, and a sweep's job array
+(``sweep.py run --slurm``). Skipped when no Slurm answers."""
 
 from __future__ import annotations
 
@@ -140,3 +141,37 @@ def test_scancel_checkpoints_then_sbatch_resumes(tmp_path, reference):
     assert info["JobState"] == "COMPLETED", slurm_log(tmp_path, job_id)[-3000:]
     assert f"resumed from {tmp_path / 'a' / 'checkpoints' / f'step-{reached}'}" in slurm_log(tmp_path, job_id)
     assert losses(tmp_path / "a") == reference[0]
+
+
+def test_sweep_job_array_equals_run_local(tmp_path):
+    """``sweep.py run --slurm`` submits a real job array (one task per point); the failing point is recorded as
+    failed without stopping the others, and ``collect`` gives the table of ``run --local``."""
+    from tests.test_sweep import THREE, read_csv, write
+    from tests.test_sweep import cli as sweep
+
+    path = write(tmp_path, THREE)
+    for mode in ("local", "slurm"):
+        assert sweep("plan", str(path), "--out", mode, cwd=tmp_path).returncode == 0
+    assert sweep("run", "local", "--local", cwd=tmp_path).returncode == 1  # one point fails
+    proc = sweep("run", "slurm", "--slurm", "--gpus-per-node", "0", "--cpus-per-task", "1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    script = (tmp_path / "slurm" / "slurm" / "sweep.sbatch").read_text()
+    assert "#SBATCH --array=0,1,2\n" in script
+    job_id = proc.stdout.split("Submitted batch job")[1].split()[0]
+    t0 = time.monotonic()
+    while subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() - t0 < 300, f"job array {job_id} still queued or running after 300 s"
+        time.sleep(1)
+    status = sweep("status", "slurm", cwd=tmp_path).stdout.splitlines()
+    assert [line.split()[1] for line in status[1:4]] == ["done", "done", "failed"], status
+    assert "error: data.source" in status[3] and status[4] == "2 done, 1 failed"
+    for mode in ("local", "slurm"):
+        assert sweep("collect", mode, cwd=tmp_path).returncode == 0
+    local, slurm = (read_csv(tmp_path / mode / "results.csv") for mode in ("local", "slurm"))
+    assert [list(r) for r in slurm] == [list(r) for r in local]
+    for a, b in zip(slurm, local):
+        for col in set(a) - {"wall_s", "tokens_per_s"}:
+            try:
+                assert float(a[col]) == pytest.approx(float(b[col]), rel=1e-6), col
+            except ValueError:
+                assert a[col] == b[col], col
