@@ -145,6 +145,25 @@ def _named_encoding(name: str) -> Tokenizer:
     return Tokenizer(enc, fingerprint=f"tiktoken:{name}:{enc.n_vocab}")
 
 
+# Vocabulary sizes (n_vocab, <|endoftext|> included) of tiktoken's named encodings, so that a dry run can plan
+# a model for one that is not cached on an offline machine.
+NAMED_VOCAB_SIZES = {"gpt2": 50257, "r50k_base": 50257, "p50k_base": 50281, "cl100k_base": 100277,
+                     "o200k_base": 200019}
+
+
+def planning_vocab(spec: str) -> tuple[int, str]:
+    """(vocabulary size, description) of ``data.tokenizer`` for planning: the loaded tokenizer's, or for a named
+    tiktoken encoding that cannot be loaded here (offline, not cached) its published size."""
+    try:
+        tok = build_tokenizer(spec)
+        return tok.vocab_size, tok.name
+    except DataError:
+        name = spec.split(":", 1)[1] if spec.startswith("tiktoken:") else None
+        if name not in NAMED_VOCAB_SIZES:
+            raise
+        return NAMED_VOCAB_SIZES[name], f"{name}, not cached here: its published vocabulary"
+
+
 def tokenizer_mismatch(source: str, spec: str) -> str | None:
     """A one-line warning when the embedded BPE (4,096 tokens of Python source) is paired with a web-text
     source; None otherwise."""

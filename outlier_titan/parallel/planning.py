@@ -17,8 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError
-from outlier_titan.data import build_tokenizer
-from outlier_titan.data.tokenizer import tokenizer_mismatch
+from outlier_titan.data.tokenizer import planning_vocab, tokenizer_mismatch
 from outlier_titan.models.registry import count_params, flops_per_token, model_args
 from outlier_titan.parallel.dims import ParallelDims
 from outlier_titan.parallel.parallelize import parallelize
@@ -97,8 +96,8 @@ def plan(cfg: JobConfig) -> Plan:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         mesh = dims.build_mesh("cpu")
-        tokenizer = build_tokenizer(cfg.data.tokenizer)
-        spec, args = model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len)
+        vocab_size, tokenizer_name = planning_vocab(cfg.data.tokenizer)
+        spec, args = model_args(cfg.model, vocab_size, cfg.training.seq_len)
         with torch.device("meta"):
             model = spec.build(args)
         n_params = count_params(model)
@@ -127,7 +126,7 @@ def plan(cfg: JobConfig) -> Plan:
         activation_bytes=activation_bytes(cfg, dims, n_layers, dim, n_heads, vocab, micro, compute_bytes),
         # FSDP all-gathers one block at a time (plus one prefetched) in the compute dtype, TP-sharded.
         gather_bytes=2 * largest_block / dims.tp * compute_bytes,
-        tokenizer=f"{cfg.data.tokenizer} ({tokenizer.name})", vocab_size=vocab,
+        tokenizer=f"{cfg.data.tokenizer} ({tokenizer_name})", vocab_size=vocab,
     )
 
 
