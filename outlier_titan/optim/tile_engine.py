@@ -60,6 +60,8 @@ class EngineOptions:
     """Tile-engine settings shared by OrthoAdam and SOAP (see the ``optimizer`` config section)."""
 
     tile_size: int = 256
+    shard_tile_size: int = 0
+    max_shards: int = 8
     tile_size_overrides: tuple[str, ...] = ()
     tile_alignment: str = "strict"
     vocab_axis: str = "identity"
@@ -72,6 +74,10 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.tile_size < 1:
             raise UserError(f"optimizer.tile_size = {self.tile_size} must be >= 1")
+        if self.shard_tile_size < 0:
+            raise UserError(f"optimizer.shard_tile_size = {self.shard_tile_size} must be >= 0 (0: automatic)")
+        if self.max_shards < 1:
+            raise UserError(f"optimizer.max_shards = {self.max_shards} must be >= 1")
         if self.tile_alignment not in ALIGNMENTS:
             raise UserError(f"optimizer.tile_alignment = {self.tile_alignment!r}; choose strict or adapt")
         if self.vocab_axis not in ("identity", "tile"):
@@ -80,13 +86,36 @@ class EngineOptions:
             raise UserError(f"optimizer.one_d = {self.one_d!r}; choose adamw or rotate")
         parse_overrides(self.tile_size_overrides)
 
-    def requested_tile(self, fqn: str, axis: int) -> int:
-        """The configured tile edge of ``fqn`` along ``axis``: the last matching override wins."""
+    def requested_tile(self, fqn: str, axis: int, extent: int | None = None, ndim: int = 2) -> int:
+        """The configured tile edge of ``fqn`` along ``axis`` (global ``extent``): the last matching override
+        wins; otherwise ``tile_size`` on the residual axis and ``default_shard_tile`` on the axis FSDP / TP
+        shard. Depends on the FQN and the global shape only, never on the layout."""
         size = self.tile_size
+        if extent is not None and axis == _sharded_axis(fqn, ndim):
+            size = self.default_shard_tile(extent)
         for pattern, ax, value in parse_overrides(self.tile_size_overrides):
             if (ax is None or ax == axis) and fnmatch.fnmatchcase(fqn, pattern):
                 size = value
         return size
+
+    def default_shard_tile(self, extent: int) -> int:
+        """Tile edge along a sharded axis of global length ``extent``: ``shard_tile_size`` when set, else the
+        largest power of two <= ``tile_size`` with ``max_shards`` x tile dividing ``extent`` (so every layout
+        with up to ``max_shards`` power-of-two shards on that axis cuts it on tile edges); ``tile_size`` when
+        no power of two does (e.g. an odd length; the strict check then speaks for sharded layouts)."""
+        if self.shard_tile_size:
+            return self.shard_tile_size
+        t = 1
+        while 2 * t <= self.tile_size and extent % (2 * t * self.max_shards) == 0:
+            t *= 2
+        return t if t >= 2 else self.tile_size
+
+
+def _sharded_axis(fqn: str, ndim: int) -> int:
+    """The axis FSDP and TP shard (``parallel.fsdp.shard_dim_for``; the residual axis stays whole)."""
+    from outlier_titan.parallel.fsdp import shard_dim_for
+
+    return shard_dim_for(fqn, torch.empty((1,) * ndim, device="meta"))
 
 
 def parse_overrides(entries) -> list[tuple[str, int | None, int]]:
@@ -307,7 +336,7 @@ def plan_param(fqn: str, p: torch.Tensor, opts: EngineOptions, group_other_axis:
     axes = []
     for axis, n in enumerate(sizes):
         needs_grid = rotate[axis] or (group_other_axis and rotate[1 - axis])
-        requested = opts.requested_tile(fqn, axis) if needs_grid else 1
+        requested = opts.requested_tile(fqn, axis, n, len(shape)) if needs_grid else 1
         tile = max(1, min(requested, n)) if needs_grid else 1
         adapted = False
         if tile > 1:
@@ -326,7 +355,7 @@ def plan_param(fqn: str, p: torch.Tensor, opts: EngineOptions, group_other_axis:
             # An unrotated axis beside a rotated one (OrthoAdam: vocabulary, long axes): its rows are batched
             # in blocks of the configured tile when every shard aligns with them, so each product has the same
             # shape at any layout (bitwise equal results); otherwise one block per shard.
-            c = max(1, min(opts.requested_tile(fqn, axis), n))
+            c = max(1, min(opts.requested_tile(fqn, axis, n, len(shape)), n))
             bounds = shard_boundaries(n, axis, mesh_shape, placements) if is_dt else []
             compute = c if tile_ok(n, c, bounds, False) else 0
         axes.append(AxisPlan(size=n, tile=tile, rotate=rotate[axis] and tile > 1, requested=requested,
@@ -399,7 +428,8 @@ def _misaligned_message(fqn, shape, placements, axis, n, tile, bounds, pow2, bet
     fix = (f"set optimizer.tile_size_overrides = ['{fqn}:{axis}={better}'] (or optimizer.tile_size = {better})"
            if better is not None else "no tile size >= 2 fits this layout: change the parallel layout or the basis")
     return (f"optimizer: {fqn} (global shape {list(shape)}, placements {placements or '(not sharded)'}) dim {axis}: "
-            f"{'; '.join(what)}; {fix}, or optimizer.tile_alignment = 'adapt'")
+            f"{'; '.join(what)}; {fix}, or raise optimizer.max_shards to this axis' shard count, or "
+            f"optimizer.tile_alignment = 'adapt'")
 
 
 # ----------------------------------------------------------------------------------------------------------
