@@ -158,7 +158,8 @@ def test_vocab_axis_is_identity_by_default():
         p = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.float64))
         w0 = p.detach().clone()
         opt = OrthoAdam([{"params": [p], "names": ["tok_embeddings.weight"], "weight_decay": 0.0}], lr=1e-2,
-                        basis="haar", options=EngineOptions(tile_size=8, vocab_axis=vocab_axis))
+                        basis="haar", options=EngineOptions(tile_size=8, shard_tile_size=8,
+                                                                     vocab_axis=vocab_axis))
         g = torch.zeros_like(p)
         g[3] = torch.randn(8, dtype=torch.float64)
         p.grad = g
@@ -192,7 +193,8 @@ def test_hadamard_needs_power_of_two_tiles():
 
 def test_tile_size_overrides():
     p = torch.nn.Parameter(torch.randn(16, 16, dtype=torch.float64))
-    opts = EngineOptions(tile_size=8, tile_size_overrides=("layers.*.wq.weight:1=16", "nothing.*=2"))
+    opts = EngineOptions(tile_size=8, shard_tile_size=8,
+                         tile_size_overrides=("layers.*.wq.weight:1=16", "nothing.*=2"))
     opt = OrthoAdam([{"params": [p], "names": ["layers.3.attention.wq.weight"], "weight_decay": 0.0}],
                     basis="haar", options=opts)
     assert [ax.tile for ax in opt.plans[p].axes] == [8, 16]

@@ -198,35 +198,39 @@ class OrthoAdam(TileAdamBase):
         return self._moments(p, plan)
 
     def _apply(self, work: list) -> None:
+        """Rotate the gradients in, Adam's element-wise math as foreach ops over all parameters (the step
+        size folded into the denominator), rotate the steps out, decay and add."""
         ms, vs, ghats, items = [], [], [], []
         for group, p, plan, g in work:
             st = self.state[p]
             st["step"] += 1
-            dt = state_dtype_for(p)
-            g2 = plan.view2d(g.to(dt)).contiguous()
-            ghats.append(self._rotate(g2, p, plan, transpose=False))
+            g2 = plan.view2d(g.to(state_dtype_for(p)))
+            ghats.append(self._rotate(g2.contiguous(), p, plan, transpose=False))
             ms.append(plan.view2d(local(st["exp_avg"])))
             vs.append(plan.view2d(local(st["exp_avg_sq"])))
             items.append((group, p, plan, float(st["step"])))
-        one_minus_b1 = [1.0 - group["betas"][0] for group, *_ in items]
+        b1 = [group["betas"][0] for group, *_ in items]
         b2 = [group["betas"][1] for group, *_ in items]
-        one_minus_b2 = [1.0 - x for x in b2]
-        for i in range(len(ms)):
-            ms[i].lerp_(ghats[i], one_minus_b1[i])
+        torch._foreach_lerp_(ms, ghats, [1.0 - b for b in b1])
         torch._foreach_mul_(vs, b2)
-        for i in range(len(vs)):
-            vs[i].addcmul_(ghats[i], ghats[i], value=one_minus_b2[i])
-        bc2_sqrt = [(1.0 - group["betas"][1] ** t) ** 0.5 for group, _, _, t in items]
+        torch._foreach_addcmul_(vs, ghats, ghats, [1.0 - b for b in b2])
+        del ghats
         denom = torch._foreach_sqrt(vs)
-        torch._foreach_div_(denom, bc2_sqrt)
+        # step = -lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
+        torch._foreach_div_(denom, [(1.0 - b ** t) ** 0.5 for b, (*_, t) in zip(b2, items)])
         torch._foreach_add_(denom, [float(group["eps"]) for group, *_ in items])
+        torch._foreach_mul_(denom, [-(1.0 - b ** t) / float(group["lr"]) for b, (group, *_, t) in zip(b1, items)])
         steps = torch._foreach_div(ms, denom)
-        for (group, p, plan, t), s in zip(items, steps):
-            lr = float(group["lr"])
-            u = self._rotate(s, p, plan, transpose=True)
+        del denom
+        lps, us, decayed, factors = [], [], [], []
+        for (group, p, plan, _), s in zip(items, steps):
             lp = plan.view2d(local(p))
             wd = float(group["weight_decay"])
             if wd:
-                lp.mul_(1.0 - lr * wd)
-            lp.add_(u.to(lp.dtype), alpha=-lr / (1.0 - group["betas"][0] ** t))
-
+                decayed.append(lp)
+                factors.append(1.0 - float(group["lr"]) * wd)
+            lps.append(lp)
+            us.append(self._rotate(s, p, plan, transpose=True).to(lp.dtype))
+        if decayed:
+            torch._foreach_mul_(decayed, factors)
+        torch._foreach_add_(lps, us)
