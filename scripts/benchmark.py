@@ -1,8 +1,15 @@
 """Benchmarks. Sub-benchmark ``optim``: optimizer step time of OrthoAdam and SOAP relative to AdamW;
-``probe``: cost of the outlier probe relative to training.
+``probe``: cost of the outlier probe relative to training; ``step``: the trainer's whole training step against
+a minimal plain-PyTorch loop, and OrthoAdam's whole step against AdamW's.
 
     python scripts/benchmark.py optim [--shapes gpt2_124m,debug] [--tile-sizes 256,64] [--reps 5] [--markdown FILE]
     python scripts/benchmark.py probe [--every 100] [--steps 40] [--probes 8] [--mode full]
+    python scripts/benchmark.py step [--steps 20] [--optimizers adamw,orthoadam]
+
+``step`` builds the debug-run trainer (world size 1, default batch) once per optimizer in this process, and a
+plain copy of its model (same weights, no parallel wrappers) stepped by a loop written here: forward, summed
+cross entropy / tokens, backward, torch AdamW (foreach). Trainer steps (loader, micro-batches, grad norm, clip,
+optimizer, LR schedule) and plain steps on the same batch run interleaved; medians and their ratios.
 
 ``probe`` builds the debug-run trainer in this process (world size 1), times training steps and probe runs
 interleaved in one run, and reports the throughput drop at ``observe.every = N``: probe time / (N x step time).
@@ -77,7 +84,8 @@ def make_optimizers(params: dict, args) -> dict:
     rest = [n for n in names if n not in decay]
     groups = lambda: [{"params": [params[n] for n in decay], "names": decay, "weight_decay": 0.1},  # noqa: E731
                       {"params": [params[n] for n in rest], "names": rest, "weight_decay": 0.0}]
-    opts = EngineOptions(tile_size=args.tile_size)  # the current entry of --tile-sizes
+    # the current entry of --tile-sizes on both axes (not the automatic per-axis default)
+    opts = EngineOptions(tile_size=args.tile_size, shard_tile_size=args.tile_size)
     plain = lambda: [{k: v for k, v in g.items() if k != "names"} for g in groups()]  # noqa: E731
     return {"adamw": torch.optim.AdamW(plain(), lr=1e-4, betas=(0.9, 0.95), foreach=True),
             "orthoadam": OrthoAdam(groups(), lr=1e-4, betas=(0.9, 0.95), basis=args.basis, options=opts),
@@ -255,6 +263,70 @@ def run_probe(args, command: str) -> dict:
     return result
 
 
+def run_step(args, command: str) -> dict:
+    """Median whole-step times: trainer (per optimizer) vs a plain loop (AdamW) on the same model and batch."""
+    import tempfile
+
+    from outlier_titan.config.manager import parse_args
+    from outlier_titan.models.registry import build_meta_model
+    from outlier_titan.trainer import Trainer
+
+    names = args.optimizers.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        trainers = {}
+        for name in names:
+            cfg = parse_args(["--config", str(ROOT / "train_configs/debug.toml"), "--job.dump_folder", tmp,
+                              "--job.name", name, "--checkpoint.enable", "false", "--eval.every", "0",
+                              "--metrics.tensorboard", "false", "--observe.every", "0",
+                              "--training.steps", "1000000", "--optimizer.name", name])
+            trainers[name] = Trainer(cfg)
+        first = trainers[names[0]]
+        cfg = first.cfg
+        _, _, plain = build_meta_model(cfg.model, first.tokenizer.vocab_size, cfg.training.seq_len)
+        plain = plain.to_empty(device="cpu")
+        with torch.no_grad():
+            for (_, q), (_, p) in zip(plain.named_parameters(), first.model.named_parameters()):
+                q.copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
+        plain.train()
+        opt = torch.optim.AdamW(plain.parameters(), lr=cfg.optimizer.lr, betas=(cfg.optimizer.beta1,
+                                cfg.optimizer.beta2), weight_decay=cfg.optimizer.weight_decay, foreach=True)
+        batch = [next(first.train_iter) for _ in range(first.accum_steps)]
+        inputs = torch.cat([b[0] for b in batch])
+        labels = torch.cat([b[1] for b in batch])
+        n_tokens = labels.numel()
+
+        def plain_step():
+            opt.zero_grad(set_to_none=True)
+            logits = plain(inputs)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                                     reduction="sum") / n_tokens
+            loss.backward()
+            opt.step()
+
+        steps = {name: t.train_step for name, t in trainers.items()}
+        steps["plain"] = plain_step
+        times = {k: [] for k in steps}
+        for i in range(args.warmup + args.steps):
+            for name, fn in steps.items():
+                t0 = time.perf_counter()
+                fn()
+                if i >= args.warmup:
+                    times[name].append(time.perf_counter() - t0)
+        for t in trainers.values():
+            t.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"date {datetime.date.today()}  machine {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} thread(s), torch {torch.__version__}\ncommand: {command}")
+    print(f"debug model, batch {inputs.shape[0]} x {inputs.shape[1]} tokens, {args.steps} interleaved steps, medians")
+    print("| loop | step (median) | / plain loop | / trainer AdamW |")
+    print("|---|---|---|---|")
+    for k, v in med.items():
+        label = "plain PyTorch loop (AdamW foreach)" if k == "plain" else f"trainer, {k}"
+        rel = f"{v / med['adamw']:.3f}x" if "adamw" in med else "-"
+        print(f"| {label} | {v * 1e3:.1f} ms | {v / med['plain']:.3f}x | {rel} |")
+    return med
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -278,6 +350,11 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--mode", default="full", choices=("full", "cheap"))
     p.add_argument("--threads", type=int, default=1)
+    st = sub.add_parser("step", help="trainer step vs a plain PyTorch loop; OrthoAdam vs AdamW whole steps")
+    st.add_argument("--steps", type=int, default=20, help="timed steps per loop (interleaved)")
+    st.add_argument("--warmup", type=int, default=3)
+    st.add_argument("--optimizers", default="adamw,orthoadam", help="comma list of trainer optimizer.name values")
+    st.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
@@ -285,6 +362,8 @@ def main(argv=None) -> int:
         run_optim(args, command)
     elif args.bench == "probe":
         run_probe(args, command)
+    elif args.bench == "step":
+        run_step(args, command)
     return 0
 
 
