@@ -98,6 +98,10 @@ class EngineOptions:
                 size = value
         return size
 
+    def has_override(self, fqn: str) -> bool:
+        """Whether some ``tile_size_overrides`` entry matches ``fqn``."""
+        return any(fnmatch.fnmatchcase(fqn, pattern) for pattern, _, _ in parse_overrides(self.tile_size_overrides))
+
     def default_shard_tile(self, extent: int) -> int:
         """Tile edge along a sharded axis of global length ``extent``: ``shard_tile_size`` when set, else the
         largest power of two <= ``tile_size`` with ``max_shards`` x tile dividing ``extent`` (so every layout
@@ -310,8 +314,8 @@ def plan_param(fqn: str, p: torch.Tensor, opts: EngineOptions, group_other_axis:
     """Tile plan of one parameter: which axes rotate, tile edges, the alignment check and local segments.
 
     ``group_other_axis``: an unrotated axis still carries a tile grid (SOAP: the factor of the rotated axis
-    accumulates over a tile of the other). ``stacked_state``: per-tile state will be sharded along the tile
-    axes, which is checked too.
+    accumulates over a tile of the other; its default tiles are square, see below). ``stacked_state``:
+    per-tile state will be sharded along the tile axes, which is checked too.
     """
     shape = tuple(p.shape)
     if len(shape) > 2:
@@ -333,10 +337,19 @@ def plan_param(fqn: str, p: torch.Tensor, opts: EngineOptions, group_other_axis:
             r = False
         rotate.append(r)
 
+    grid = [rotate[a] or (group_other_axis and rotate[1 - a]) for a in (0, 1)]
+    reqs = [opts.requested_tile(fqn, a, sizes[a], len(shape)) if grid[a] else 1 for a in (0, 1)]
+    if group_other_axis and all(grid) and not opts.has_override(fqn):
+        # SOAP: square default tiles (the smaller edge on both axes, capped by the axis lengths). A t0 x t1 tile
+        # with t0 < t1 gives R = Gᵀ G rank <= t0 on the first steps; the eigenvectors of its null space are
+        # then set by rounding noise, which differs between layouts (gradient reduction order) and which
+        # Adam's normalisation turns into visible update differences.
+        edge = min(min(r, n) for r, n in zip(reqs, sizes))
+        reqs = [edge, edge]
     axes = []
     for axis, n in enumerate(sizes):
-        needs_grid = rotate[axis] or (group_other_axis and rotate[1 - axis])
-        requested = opts.requested_tile(fqn, axis, n, len(shape)) if needs_grid else 1
+        needs_grid = grid[axis]
+        requested = reqs[axis]
         tile = max(1, min(requested, n)) if needs_grid else 1
         adapted = False
         if tile > 1:
