@@ -340,12 +340,11 @@ def plan_param(fqn: str, p: torch.Tensor, opts: EngineOptions, group_other_axis:
     grid = [rotate[a] or (group_other_axis and rotate[1 - a]) for a in (0, 1)]
     reqs = [opts.requested_tile(fqn, a, sizes[a], len(shape)) if grid[a] else 1 for a in (0, 1)]
     if group_other_axis and all(grid) and not opts.has_override(fqn):
-        # SOAP: square default tiles (the smaller edge on both axes, capped by the axis lengths). A t0 x t1 tile
+        # SOAP: square default tiles (the smaller requested edge on both axes). A t0 x t1 tile
         # with t0 < t1 gives R = Gᵀ G rank <= t0 on the first steps; the eigenvectors of its null space are
         # then set by rounding noise, which differs between layouts (gradient reduction order) and which
         # Adam's normalisation turns into visible update differences.
-        edge = min(min(r, n) for r, n in zip(reqs, sizes))
-        reqs = [edge, edge]
+        reqs = [min(reqs)] * 2
     axes = []
     for axis, n in enumerate(sizes):
         needs_grid = grid[axis]
