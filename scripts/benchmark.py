@@ -87,10 +87,11 @@ def make_optimizers(params: dict, args) -> dict:
     # the current entry of --tile-sizes on both axes (not the automatic per-axis default)
     opts = EngineOptions(tile_size=args.tile_size, shard_tile_size=args.tile_size)
     plain = lambda: [{k: v for k, v in g.items() if k != "names"} for g in groups()]  # noqa: E731
-    return {"adamw": torch.optim.AdamW(plain(), lr=1e-4, betas=(0.9, 0.95), foreach=True),
-            "orthoadam": OrthoAdam(groups(), lr=1e-4, betas=(0.9, 0.95), basis=args.basis, options=opts),
-            "soap": SOAP(groups(), lr=1e-4, precondition_frequency=args.frequency,
-                         factor_dtype=args.soap_factor_dtype, options=opts)}
+    make = {"adamw": lambda: torch.optim.AdamW(plain(), lr=1e-4, betas=(0.9, 0.95), foreach=True),
+            "orthoadam": lambda: OrthoAdam(groups(), lr=1e-4, betas=(0.9, 0.95), basis=args.basis, options=opts),
+            "soap": lambda: SOAP(groups(), lr=1e-4, precondition_frequency=args.frequency,
+                                 factor_dtype=args.soap_factor_dtype, options=opts)}
+    return {k: make[k]() for k in args.optimizers.split(",")}
 
 
 def state_bytes(opt) -> int:
@@ -115,7 +116,7 @@ def bench_optim(label: str, params: dict, args) -> dict:
     opts = make_optimizers(params, args)
     for opt in opts.values():
         opt.step()  # warm-up; SOAP's first call initialises its bases
-    if opts["soap"].frequency > 1:
+    if "soap" in opts and opts["soap"].frequency > 1:
         opts["soap"].step()  # then take SOAP into its update regime
     times = {k: [] for k in opts}
     for _ in range(args.reps):
@@ -130,7 +131,7 @@ def bench_optim(label: str, params: dict, args) -> dict:
             "ratio_median": {k: med[k] / med["adamw"] for k in med},
             "ratio_mean": {k: mean[k] / mean["adamw"] for k in mean},
             "bytes_per_param": {k: state_bytes(o) / n_params for k, o in opts.items()},
-            "basis_bytes_per_param": basis_bytes(opts["orthoadam"]) / n_params,
+            "basis_bytes_per_param": basis_bytes(opts["orthoadam"]) / n_params if "orthoadam" in opts else 0.0,
             "soap_steps_timed": args.reps * args.steps_per_rep, "opts": opts}
 
 
@@ -148,6 +149,11 @@ def train_step_share(model, vocab: int, result: dict, args) -> dict:
     fb = statistics.median(times)
     return {"fwd_bwd_s": fb, "tokens": args.batch * args.seq_len,
             "share": {k: v / (fb + v) for k, v in result["median_s"].items()}}
+
+
+def _get(d: dict, key: str, fmt: str, scale: float = 1.0) -> str:
+    """``fmt`` of ``d[key] * scale``, or "-" for an optimizer left out (``--optimizers``)."""
+    return fmt.format(d[key] * scale) if key in d else "-"
 
 
 def markdown(results: list[dict], args, command: str) -> str:
@@ -173,8 +179,8 @@ def markdown(results: list[dict], args, command: str) -> str:
     for r in results:
         m = r["median_s"]
         lines.append(f"| {r['label']} | {r['params'] / 1e6:.2f}M | {r['tile']} | {m['adamw'] * 1e3:.1f} ms | "
-                     f"{m['orthoadam'] * 1e3:.1f} ms | {r['mean_s']['soap'] * 1e3:.1f} ms | "
-                     f"{r['ratio_median']['orthoadam']:.2f}x | {r['ratio_mean']['soap']:.2f}x |")
+                     f"{_get(m, 'orthoadam', '{:.1f} ms', 1e3)} | {_get(r['mean_s'], 'soap', '{:.1f} ms', 1e3)} | "
+                     f"{_get(r['ratio_median'], 'orthoadam', '{:.2f}x')} | {_get(r['ratio_mean'], 'soap', '{:.2f}x')} |")
     lines += ["", "Targets: OrthoAdam <= 1.15x, SOAP (f = 10, amortised) <= 1.5x AdamW's step."]
     lines += ["", "State bytes per parameter (checkpointed optimizer state; OrthoAdam's bases are regenerated, "
               "not saved, and listed apart):", "",
@@ -182,8 +188,8 @@ def markdown(results: list[dict], args, command: str) -> str:
               "|---|---|---|---|---|---|"]
     for r in results:
         b = r["bytes_per_param"]
-        lines.append(f"| {r['label']} | {r['tile']} | {b['adamw']:.1f} | {b['orthoadam']:.1f} | "
-                     f"{r['basis_bytes_per_param']:.2f} | {b['soap']:.1f} |")
+        lines.append(f"| {r['label']} | {r['tile']} | {b['adamw']:.1f} | {_get(b, 'orthoadam', '{:.1f}')} | "
+                     f"{r['basis_bytes_per_param']:.2f} | {_get(b, 'soap', '{:.1f}')} |")
     shares = [r for r in results if "train" in r]
     if shares:
         lines += ["", "Optimizer step as a share of a whole training step (forward + backward + step):", "",
@@ -193,7 +199,7 @@ def markdown(results: list[dict], args, command: str) -> str:
             t, s = r["train"], r["train"]["share"]
             lines.append(f"| {r['label']} | {r['tile']} | {t['tokens']} | {t['fwd_bwd_s'] * 1e3:.0f} ms | "
                          f"{s['adamw']:.1%} | "
-                         f"{s['orthoadam']:.1%} | {s['soap']:.1%} |")
+                         f"{_get(s, 'orthoadam', '{:.1%}')} | {_get(s, 'soap', '{:.1%}')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -216,7 +222,8 @@ def run_optim(args, command: str) -> list[dict]:
         r["tile"] = tile
         results.append(r)
         print(f"{r['label']} tile {tile}: AdamW {r['median_s']['adamw'] * 1e3:.1f} ms, OrthoAdam x"
-              f"{r['ratio_median']['orthoadam']:.2f}, SOAP x{r['ratio_mean']['soap']:.2f} (amortised); "
+              f"{_get(r['ratio_median'], 'orthoadam', '{:.2f}')}, SOAP x{_get(r['ratio_mean'], 'soap', '{:.2f}')} "
+              f"(amortised); "
               f"bytes/param {', '.join(f'{k} {v:.1f}' for k, v in r['bytes_per_param'].items())}", flush=True)
     text = markdown(results, args, command)
     print(text)
@@ -333,7 +340,9 @@ def main(argv=None) -> int:
     o = sub.add_parser("optim", help="optimizer step time of OrthoAdam and SOAP relative to AdamW")
     o.add_argument("--shapes", default="gpt2_124m,debug", help="comma list of: gpt2_124m, debug")
     o.add_argument("--tile-sizes", default="256,64", help="comma list of optimizer.tile_size values")
-    o.add_argument("--basis", default="hadamard", choices=("hadamard", "haar"))
+    o.add_argument("--basis", default="hadamard", choices=("hadamard", "haar", "haar_kron"))
+    o.add_argument("--optimizers", default="adamw,orthoadam,soap",
+                   help="comma list (adamw first: the ratios' reference) of adamw, orthoadam, soap")
     o.add_argument("--frequency", type=int, default=10, help="SOAP precondition_frequency")
     o.add_argument("--soap-factor-dtype", default="float64", choices=("float64", "float32"))
     o.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
