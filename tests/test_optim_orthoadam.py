@@ -256,8 +256,8 @@ def test_factored_bases_equal_dense_bases_over_50_steps(basis, dtype, tol):
     for dense in (False, True):
         ps = [torch.nn.Parameter(x.clone()) for x in init]
         opt = OrthoAdam([{"params": ps, "names": FAST_NAMES, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95),
-                        basis=basis, options=opts, dense=dense)
-        assert opt.structured is not dense
+                        basis=basis, options=opts, dense=dense, factored_min_tile=2)
+        assert opt.structured is not dense and len(opt._kron) == (0 if dense else len(ps))
         out.append(_run(opt, ps, grads))
     for name, fast, ref, x0 in zip(FAST_NAMES, *out, init):
         assert not torch.equal(ref, x0)
