@@ -180,7 +180,8 @@ def markdown(results: list[dict], args, command: str) -> str:
         m = r["median_s"]
         lines.append(f"| {r['label']} | {r['params'] / 1e6:.2f}M | {r['tile']} | {m['adamw'] * 1e3:.1f} ms | "
                      f"{_get(m, 'orthoadam', '{:.1f} ms', 1e3)} | {_get(r['mean_s'], 'soap', '{:.1f} ms', 1e3)} | "
-                     f"{_get(r['ratio_median'], 'orthoadam', '{:.2f}x')} | {_get(r['ratio_mean'], 'soap', '{:.2f}x')} |")
+                     f"{_get(r['ratio_median'], 'orthoadam', '{:.2f}x')} | "
+                     f"{_get(r['ratio_mean'], 'soap', '{:.2f}x')} |")
     lines += ["", "Targets: OrthoAdam <= 1.15x, SOAP (f = 10, amortised) <= 1.5x AdamW's step."]
     lines += ["", "State bytes per parameter (checkpointed optimizer state; OrthoAdam's bases are regenerated, "
               "not saved, and listed apart):", "",

@@ -2,8 +2,9 @@
 
 Per optimizer, with the debug config's default tiles (no tile option on the command line): 20 steps at world
 size 1, FSDP 2, FSDP 2 x TP 2 and HSDP 2 x 2 (gloo, fp32) give the same per-step losses; the FSDP 2 x TP 2
-run's step-10 checkpoint resumes at world sizes 2 and 1 and continues with the uninterrupted losses. (The engine itself is bitwise world-size invariant, test_optim_dist.py; here the
-gradients differ in their last bits because FSDP reduces them in another order.)
+run's step-10 checkpoint resumes at world sizes 2 and 1 and continues with the uninterrupted losses. (The
+engine itself is bitwise world-size invariant, test_optim_dist.py; here the gradients differ in their last
+bits because FSDP reduces them in another order; SOAP's square default tiles keep that from growing.)
 """
 
 import shutil
