@@ -9,6 +9,7 @@ the optimizer alone is under test). Rank 0 writes the gathered full parameters a
 
 fsdp2xtp2 (4 ranks): STEPS steps, a DCP checkpoint after RESUME_AT; also the strict-alignment failure.
 fsdp2 (2 ranks): STEPS steps uninterrupted, and a resume from the 4-rank checkpoint.
+OrthoAdam runs its factored Hadamard path (permutation, signs, Kronecker factors in the shard's layout).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def build_optimizer(kind: str, model: nn.Module, seed: int = 7):
     opts = EngineOptions(tile_size=4, shard_tile_size=4,
                          tile_size_overrides=("layers.*.attention.wq.weight:1=16",))
     if kind == "orthoadam":
-        return OrthoAdam(groups, lr=1e-2, betas=(0.9, 0.95), seed=seed, basis="haar", options=opts)
+        return OrthoAdam(groups, lr=1e-2, betas=(0.9, 0.95), seed=seed, basis="hadamard", options=opts,
+                         factored_min_tile=2)  # the factored Hadamard path at every layout
     return SOAP(groups, lr=1e-2, precondition_frequency=2, options=opts)
 
 
