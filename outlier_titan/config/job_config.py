@@ -92,8 +92,9 @@ class Optimizer:
     tile_alignment: str = opt("strict", "orthoadam/soap: a shard boundary off the tile grid fails at start-up "
                                         "(strict) or shrinks that tile and records it in the checkpoint (adapt).",
                               ("strict", "adapt"))
-    basis: str = opt("hadamard", "orthoadam: fixed tile bases: randomized Hadamard, Haar, or identity "
-                                 "(= AdamW; tests and ablations).", ("hadamard", "haar", "identity"))
+    basis: str = opt("hadamard", "orthoadam: fixed tile bases: randomized Hadamard, Haar, Kronecker-factored Haar "
+                                 "(haar_kron: cheaper, structured mixing), or identity (= AdamW; tests and "
+                                 "ablations).", ("hadamard", "haar", "haar_kron", "identity"))
     precondition_frequency: int = opt(10, "soap: eigenbasis refresh period (steps), staggered over tiles.")
     shampoo_beta: float = opt(-1.0, "soap: EMA factor of the Shampoo factors (< 0: beta2).")
     refresh_stagger: bool = opt(True, "soap: spread refreshes over tiles (tile k when (t + k) % f == 0).")
