@@ -1,8 +1,15 @@
 """Benchmarks. Sub-benchmark ``optim``: optimizer step time of OrthoAdam and SOAP relative to AdamW;
-``probe``: cost of the outlier probe relative to training.
+``probe``: cost of the outlier probe relative to training; ``step``: the trainer's whole training step against
+a minimal plain-PyTorch loop, and OrthoAdam's whole step against AdamW's.
 
     python scripts/benchmark.py optim [--shapes gpt2_124m,debug] [--tile-sizes 256,64] [--reps 5] [--markdown FILE]
     python scripts/benchmark.py probe [--every 100] [--steps 40] [--probes 8] [--mode full]
+    python scripts/benchmark.py step [--steps 20] [--optimizers adamw,orthoadam]
+
+``step`` builds the debug-run trainer (world size 1, default batch) once per optimizer in this process, and a
+plain copy of its model (same weights, no parallel wrappers) stepped by a loop written here: forward, summed
+cross entropy / tokens, backward, torch AdamW (foreach). Trainer steps (loader, micro-batches, grad norm, clip,
+optimizer, LR schedule) and plain steps on the same batch run interleaved; medians and their ratios.
 
 ``probe`` builds the debug-run trainer in this process (world size 1), times training steps and probe runs
 interleaved in one run, and reports the throughput drop at ``observe.every = N``: probe time / (N x step time).
@@ -78,12 +85,14 @@ def make_optimizers(params: dict, args) -> dict:
     rest = [n for n in names if n not in decay]
     groups = lambda: [{"params": [params[n] for n in decay], "names": decay, "weight_decay": 0.1},  # noqa: E731
                       {"params": [params[n] for n in rest], "names": rest, "weight_decay": 0.0}]
-    opts = EngineOptions(tile_size=args.tile_size)  # the current entry of --tile-sizes
+    # the current entry of --tile-sizes on both axes (not the automatic per-axis default)
+    opts = EngineOptions(tile_size=args.tile_size, shard_tile_size=args.tile_size)
     plain = lambda: [{k: v for k, v in g.items() if k != "names"} for g in groups()]  # noqa: E731
-    return {"adamw": torch.optim.AdamW(plain(), lr=1e-4, betas=(0.9, 0.95), foreach=True),
-            "orthoadam": OrthoAdam(groups(), lr=1e-4, betas=(0.9, 0.95), basis=args.basis, options=opts),
-            "soap": SOAP(groups(), lr=1e-4, precondition_frequency=args.frequency,
-                         factor_dtype=args.soap_factor_dtype, options=opts)}
+    make = {"adamw": lambda: torch.optim.AdamW(plain(), lr=1e-4, betas=(0.9, 0.95), foreach=True),
+            "orthoadam": lambda: OrthoAdam(groups(), lr=1e-4, betas=(0.9, 0.95), basis=args.basis, options=opts),
+            "soap": lambda: SOAP(groups(), lr=1e-4, precondition_frequency=args.frequency,
+                                 factor_dtype=args.soap_factor_dtype, options=opts)}
+    return {k: make[k]() for k in args.optimizers.split(",")}
 
 
 def state_bytes(opt) -> int:
@@ -108,7 +117,7 @@ def bench_optim(label: str, params: dict, args) -> dict:
     opts = make_optimizers(params, args)
     for opt in opts.values():
         opt.step()  # warm-up; SOAP's first call initialises its bases
-    if opts["soap"].frequency > 1:
+    if "soap" in opts and opts["soap"].frequency > 1:
         opts["soap"].step()  # then take SOAP into its update regime
     times = {k: [] for k in opts}
     for _ in range(args.reps):
@@ -123,7 +132,7 @@ def bench_optim(label: str, params: dict, args) -> dict:
             "ratio_median": {k: med[k] / med["adamw"] for k in med},
             "ratio_mean": {k: mean[k] / mean["adamw"] for k in mean},
             "bytes_per_param": {k: state_bytes(o) / n_params for k, o in opts.items()},
-            "basis_bytes_per_param": basis_bytes(opts["orthoadam"]) / n_params,
+            "basis_bytes_per_param": basis_bytes(opts["orthoadam"]) / n_params if "orthoadam" in opts else 0.0,
             "soap_steps_timed": args.reps * args.steps_per_rep, "opts": opts}
 
 
@@ -141,6 +150,11 @@ def train_step_share(model, vocab: int, result: dict, args) -> dict:
     fb = statistics.median(times)
     return {"fwd_bwd_s": fb, "tokens": args.batch * args.seq_len,
             "share": {k: v / (fb + v) for k, v in result["median_s"].items()}}
+
+
+def _get(d: dict, key: str, fmt: str, scale: float = 1.0) -> str:
+    """``fmt`` of ``d[key] * scale``, or "-" for an optimizer left out (``--optimizers``)."""
+    return fmt.format(d[key] * scale) if key in d else "-"
 
 
 def markdown(results: list[dict], args, command: str) -> str:
@@ -166,8 +180,9 @@ def markdown(results: list[dict], args, command: str) -> str:
     for r in results:
         m = r["median_s"]
         lines.append(f"| {r['label']} | {r['params'] / 1e6:.2f}M | {r['tile']} | {m['adamw'] * 1e3:.1f} ms | "
-                     f"{m['orthoadam'] * 1e3:.1f} ms | {r['mean_s']['soap'] * 1e3:.1f} ms | "
-                     f"{r['ratio_median']['orthoadam']:.2f}x | {r['ratio_mean']['soap']:.2f}x |")
+                     f"{_get(m, 'orthoadam', '{:.1f} ms', 1e3)} | {_get(r['mean_s'], 'soap', '{:.1f} ms', 1e3)} | "
+                     f"{_get(r['ratio_median'], 'orthoadam', '{:.2f}x')} | "
+                     f"{_get(r['ratio_mean'], 'soap', '{:.2f}x')} |")
     lines += ["", "Targets: OrthoAdam <= 1.15x, SOAP (f = 10, amortised) <= 1.5x AdamW's step."]
     lines += ["", "State bytes per parameter (checkpointed optimizer state; OrthoAdam's bases are regenerated, "
               "not saved, and listed apart):", "",
@@ -175,8 +190,8 @@ def markdown(results: list[dict], args, command: str) -> str:
               "|---|---|---|---|---|---|"]
     for r in results:
         b = r["bytes_per_param"]
-        lines.append(f"| {r['label']} | {r['tile']} | {b['adamw']:.1f} | {b['orthoadam']:.1f} | "
-                     f"{r['basis_bytes_per_param']:.2f} | {b['soap']:.1f} |")
+        lines.append(f"| {r['label']} | {r['tile']} | {b['adamw']:.1f} | {_get(b, 'orthoadam', '{:.1f}')} | "
+                     f"{r['basis_bytes_per_param']:.2f} | {_get(b, 'soap', '{:.1f}')} |")
     shares = [r for r in results if "train" in r]
     if shares:
         lines += ["", "Optimizer step as a share of a whole training step (forward + backward + step):", "",
@@ -186,7 +201,7 @@ def markdown(results: list[dict], args, command: str) -> str:
             t, s = r["train"], r["train"]["share"]
             lines.append(f"| {r['label']} | {r['tile']} | {t['tokens']} | {t['fwd_bwd_s'] * 1e3:.0f} ms | "
                          f"{s['adamw']:.1%} | "
-                         f"{s['orthoadam']:.1%} | {s['soap']:.1%} |")
+                         f"{_get(s, 'orthoadam', '{:.1%}')} | {_get(s, 'soap', '{:.1%}')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -212,8 +227,8 @@ def run_optim(args, command: str) -> list[dict]:
         r["tile"] = tile
         results.append(r)
         tqdm.write(f"{r['label']} tile {tile}: AdamW {r['median_s']['adamw'] * 1e3:.1f} ms, OrthoAdam x"
-                   f"{r['ratio_median']['orthoadam']:.2f}, SOAP x{r['ratio_mean']['soap']:.2f} (amortised); "
-                   f"bytes/param {', '.join(f'{k} {v:.1f}' for k, v in r['bytes_per_param'].items())}")
+                   f"{_get(r['ratio_median'], 'orthoadam', '{:.2f}')}, SOAP x{_get(r['ratio_mean'], 'soap', '{:.2f}')} "
+                   f"(amortised); bytes/param {', '.join(f'{k} {v:.1f}' for k, v in r['bytes_per_param'].items())}")
     text = markdown(results, args, command)
     print(text)
     if args.markdown:
@@ -259,6 +274,70 @@ def run_probe(args, command: str) -> dict:
     return result
 
 
+def run_step(args, command: str) -> dict:
+    """Median whole-step times: trainer (per optimizer) vs a plain loop (AdamW) on the same model and batch."""
+    import tempfile
+
+    from outlier_titan.config.manager import parse_args
+    from outlier_titan.models.registry import build_meta_model
+    from outlier_titan.trainer import Trainer
+
+    names = args.optimizers.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        trainers = {}
+        for name in names:
+            cfg = parse_args(["--config", str(ROOT / "train_configs/debug.toml"), "--job.dump_folder", tmp,
+                              "--job.name", name, "--checkpoint.enable", "false", "--eval.every", "0",
+                              "--metrics.tensorboard", "false", "--observe.every", "0",
+                              "--training.steps", "1000000", "--optimizer.name", name])
+            trainers[name] = Trainer(cfg)
+        first = trainers[names[0]]
+        cfg = first.cfg
+        _, _, plain = build_meta_model(cfg.model, first.tokenizer.vocab_size, cfg.training.seq_len)
+        plain = plain.to_empty(device="cpu")
+        with torch.no_grad():
+            for (_, q), (_, p) in zip(plain.named_parameters(), first.model.named_parameters()):
+                q.copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
+        plain.train()
+        opt = torch.optim.AdamW(plain.parameters(), lr=cfg.optimizer.lr, betas=(cfg.optimizer.beta1,
+                                cfg.optimizer.beta2), weight_decay=cfg.optimizer.weight_decay, foreach=True)
+        batch = [next(first.train_iter) for _ in range(first.accum_steps)]
+        inputs = torch.cat([b[0] for b in batch])
+        labels = torch.cat([b[1] for b in batch])
+        n_tokens = labels.numel()
+
+        def plain_step():
+            opt.zero_grad(set_to_none=True)
+            logits = plain(inputs)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                                     reduction="sum") / n_tokens
+            loss.backward()
+            opt.step()
+
+        steps = {name: t.train_step for name, t in trainers.items()}
+        steps["plain"] = plain_step
+        times = {k: [] for k in steps}
+        for i in range(args.warmup + args.steps):
+            for name, fn in steps.items():
+                t0 = time.perf_counter()
+                fn()
+                if i >= args.warmup:
+                    times[name].append(time.perf_counter() - t0)
+        for t in trainers.values():
+            t.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"date {datetime.date.today()}  machine {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} thread(s), torch {torch.__version__}\ncommand: {command}")
+    print(f"debug model, batch {inputs.shape[0]} x {inputs.shape[1]} tokens, {args.steps} interleaved steps, medians")
+    print("| loop | step (median) | / plain loop | / trainer AdamW |")
+    print("|---|---|---|---|")
+    for k, v in med.items():
+        label = "plain PyTorch loop (AdamW foreach)" if k == "plain" else f"trainer, {k}"
+        rel = f"{v / med['adamw']:.3f}x" if "adamw" in med else "-"
+        print(f"| {label} | {v * 1e3:.1f} ms | {v / med['plain']:.3f}x | {rel} |")
+    return med
+
+
 def main(argv=None) -> int:
     parser = cli.parser(__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -266,7 +345,9 @@ def main(argv=None) -> int:
                        formatter_class=cli.HelpFormatter)
     o.add_argument("--shapes", default="gpt2_124m,debug", help="comma list of: gpt2_124m, debug")
     o.add_argument("--tile-sizes", default="256,64", help="comma list of optimizer.tile_size values")
-    o.add_argument("--basis", default="hadamard", choices=("hadamard", "haar"), help="OrthoAdam basis")
+    o.add_argument("--basis", default="hadamard", choices=("hadamard", "haar", "haar_kron"), help="OrthoAdam basis")
+    o.add_argument("--optimizers", default="adamw,orthoadam,soap",
+                   help="comma list (adamw first: the ratios' reference) of adamw, orthoadam, soap")
     o.add_argument("--frequency", type=int, default=10, help="SOAP precondition_frequency")
     o.add_argument("--soap-factor-dtype", default="float64", choices=("float64", "float32"),
                    help="dtype of SOAP's factor EMAs")
@@ -285,6 +366,12 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed training steps first")
     p.add_argument("--mode", default="full", choices=("full", "cheap"), help="observe.mode")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    st = sub.add_parser("step", help="trainer step vs a plain PyTorch loop; OrthoAdam vs AdamW whole steps",
+                        formatter_class=cli.HelpFormatter)
+    st.add_argument("--steps", type=int, default=20, help="timed steps per loop (interleaved)")
+    st.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    st.add_argument("--optimizers", default="adamw,orthoadam", help="comma list of trainer optimizer.name values")
+    st.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args(argv)
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
@@ -292,6 +379,8 @@ def main(argv=None) -> int:
         run_optim(args, command)
     elif args.bench == "probe":
         run_probe(args, command)
+    elif args.bench == "step":
+        run_step(args, command)
     return 0
 
 

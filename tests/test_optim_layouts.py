@@ -79,7 +79,8 @@ def make_opt(kind, params, opts):
     return SOAP(groups, lr=1e-2, precondition_frequency=3, options=opts)
 
 
-OPTS = EngineOptions(tile_size=4, tile_size_overrides=("layers.*.attention.wq.weight:1=16",))
+OPTS = EngineOptions(tile_size=4, shard_tile_size=4,
+                     tile_size_overrides=("layers.*.attention.wq.weight:1=16",))
 
 
 def run_single(kind, steps, opts=OPTS):
@@ -167,11 +168,12 @@ def test_strict_misalignment_names_parameter_placements_and_a_tile_that_works():
         p = torch.nn.Parameter(distribute_tensor(torch.randn(16, 16), mesh, (Shard(0),), src_data_rank=None))
         groups = [{"params": [p], "names": ["layers.0.attention.wq.weight"], "weight_decay": 0.0}]
         with pytest.raises(TileAlignmentError) as err:
-            OrthoAdam(groups, basis="haar", options=EngineOptions(tile_size=8))
+            OrthoAdam(groups, basis="haar", options=EngineOptions(tile_size=8, shard_tile_size=8))
         msg = str(err.value)
         assert "layers.0.attention.wq.weight" in msg and "Shard(dim=0)" in msg
         assert "layers.0.attention.wq.weight:0=4" in msg and "adapt" in msg
-        opt = OrthoAdam(groups, basis="haar", options=EngineOptions(tile_size=8, tile_alignment="adapt"))
+        opt = OrthoAdam(groups, basis="haar",
+                        options=EngineOptions(tile_size=8, shard_tile_size=8, tile_alignment="adapt"))
         spec = opt.state[p]["tile_spec"].tolist()
         assert spec[2:4] == [4, 8] and spec[6:8] == [1, 0]  # tiles (4, 8), axis 0 adapted
 
@@ -187,13 +189,13 @@ def test_strided_shards_non_contiguous_in_global_index_space():
         p = torch.nn.Parameter(distribute_tensor(full, mesh, pl, src_data_rank=None))
         assert torch.equal(p.to_local(), full[idx])
         opt = SOAP([{"params": [p], "names": ["layers.0.feed_forward.w1.weight"], "weight_decay": 0.0}],
-                   options=EngineOptions(tile_size=8))
+                   options=EngineOptions(tile_size=8, shard_tile_size=8))
         assert opt.plans[p].axes[0].local_tiles == [0, 2]
         assert tuple(opt.state[p]["L"].shape) == (4, 1, 8, 8)
         assert tuple(opt.state[p]["L"].to_local().shape) == (2, 1, 8, 8)
         with pytest.raises(TileAlignmentError):
             SOAP([{"params": [p], "names": ["layers.0.feed_forward.w1.weight"], "weight_decay": 0.0}],
-                 options=EngineOptions(tile_size=16))
+                 options=EngineOptions(tile_size=16, shard_tile_size=16))
 
 
 def test_empty_local_shard():

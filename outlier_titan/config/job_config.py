@@ -88,15 +88,20 @@ class Optimizer:
     momentum: bool = opt(True, "SGD: use momentum beta1 (false = plain SGD).")
     no_decay: list = opt(["norm", "bias", "embedding"],
                          "Parameter classes without weight decay: any of norm, bias, embedding, gain.")
-    tile_size: int = opt(256, "orthoadam/soap: tile edge on each parameter's global grid (per axis; shards must "
-                              "fall on tile edges).")
+    tile_size: int = opt(256, "orthoadam/soap: tile edge on each parameter's global grid along the residual "
+                              "(never sharded) axis, and the upper bound of the sharded axis' tile.")
+    shard_tile_size: int = opt(0, "orthoadam/soap: tile edge along the axis FSDP/TP shard (0: automatic, the "
+                                  "largest power of two <= tile_size such that max_shards tiles divide the axis).")
+    max_shards: int = opt(8, "orthoadam/soap: automatic shard_tile_size stays aligned for up to this many "
+                             "(power-of-two) shards of an axis (FSDP x TP degree); numbers equal at every such layout.")
     tile_size_overrides: list = opt([], "orthoadam/soap: per-parameter tile edges, 'FQN_GLOB=SIZE' or "
                                         "'FQN_GLOB:AXIS=SIZE' (last match wins), e.g. 'layers.*.wo.weight:1=64'.")
     tile_alignment: str = opt("strict", "orthoadam/soap: a shard boundary off the tile grid fails at start-up "
                                         "(strict) or shrinks that tile and records it in the checkpoint (adapt).",
                               ("strict", "adapt"))
-    basis: str = opt("hadamard", "orthoadam: fixed tile bases: randomized Hadamard, Haar, or identity "
-                                 "(= AdamW; tests and ablations).", ("hadamard", "haar", "identity"))
+    basis: str = opt("hadamard", "orthoadam: fixed tile bases: randomized Hadamard, Haar, Kronecker-factored Haar "
+                                 "(haar_kron: cheaper, structured mixing), or identity (= AdamW; tests and "
+                                 "ablations).", ("hadamard", "haar", "haar_kron", "identity"))
     precondition_frequency: int = opt(10, "soap: eigenbasis refresh period (steps), staggered over tiles.")
     shampoo_beta: float = opt(-1.0, "soap: EMA factor of the Shampoo factors (< 0: beta2).")
     refresh_stagger: bool = opt(True, "soap: spread refreshes over tiles (tile k when (t + k) % f == 0).")

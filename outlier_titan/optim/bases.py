@@ -10,7 +10,16 @@ Representations (``optimizer.basis``):
   hadamard  randomized Hadamard P·D·H/sqrt(n): a Sylvester Hadamard matrix, random signs D and a random
             row permutation P. Every rotated coordinate spreads +-1/sqrt(n) over the whole tile.
             Needs power-of-two tile sizes.
+  haar_kron Kronecker-factored Haar: Q_1 ⊗ ... ⊗ Q_m with each Q_i Haar of size <= 16 (``kron_factor_sizes``).
+            Applying it costs 2·(f_1 + ... + f_m) FLOP per element instead of 2·n, and every rotated coordinate
+            still mixes the whole tile, but the mixing is structured: a basis vector is a product of m small
+            random vectors, not a uniformly random direction (a Haar basis draws from all of O(n)).
+            Needs power-of-two tile sizes.
   identity  the identity (no rotation): OrthoAdam becomes AdamW. For tests and ablations only.
+
+``hadamard`` and ``haar_kron`` are also available factored (``structured_basis``): a permutation, signs
+and Kronecker factors, which OrthoAdam applies as small batched matmuls on a reshaped view instead of a
+dense tile product (H_256 = H_16 ⊗ H_16).
 
 A signed permutation (or diagonal signs alone) is rejected: Adam is exactly equivariant to it, so such a
 "rotation" changes nothing (reference/anchor_optimizers.md §4.3).
@@ -65,12 +74,55 @@ def sylvester_hadamard(size: int) -> torch.Tensor:
     return h / (size ** 0.5)
 
 
-def hadamard_basis(size: int, seed: int) -> torch.Tensor:
-    """Randomized Hadamard P·D·H/sqrt(n): random signs on the rows of H, then a random row permutation."""
+def _hadamard_perm_signs(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = _generator(seed)
     signs = torch.randint(0, 2, (size,), generator=g, dtype=torch.int64).to(torch.float64) * 2 - 1
     perm = torch.randperm(size, generator=g)
+    return perm, signs
+
+
+def hadamard_basis(size: int, seed: int) -> torch.Tensor:
+    """Randomized Hadamard P·D·H/sqrt(n): random signs on the rows of H, then a random row permutation."""
+    perm, signs = _hadamard_perm_signs(size, seed)
     return (signs[:, None] * sylvester_hadamard(size))[perm]
+
+
+def kron_factor_sizes(size: int, max_factor: int = 16) -> list[int]:
+    """Powers of two, each <= ``max_factor`` and as equal as possible, whose product is ``size`` (a power of
+    two): 256 -> [16, 16], 128 -> [16, 8], 32 -> [8, 4], 2 -> [2]."""
+    if not is_power_of_two(size):
+        raise ValueError(f"a Kronecker-factored basis needs a power-of-two size, got {size}")
+    k, kmax = size.bit_length() - 1, max_factor.bit_length() - 1
+    m = max(1, -(-k // kmax))
+    return [1 << (k // m + (1 if i < k % m else 0)) for i in range(m)]
+
+
+def _kron_all(factors: list[torch.Tensor]) -> torch.Tensor:
+    out = factors[0]
+    for f in factors[1:]:
+        out = torch.kron(out, f)
+    return out
+
+
+def _haar_kron_factors(size: int, seed: int) -> list[torch.Tensor]:
+    return [haar_basis(f, tile_seed(seed, "kron", 0, i)) for i, f in enumerate(kron_factor_sizes(size))]
+
+
+def haar_kron_basis(size: int, seed: int) -> torch.Tensor:
+    """Kronecker product of Haar factors of sizes ``kron_factor_sizes(size)`` (see the module docstring)."""
+    return _kron_all(_haar_kron_factors(size, seed))
+
+
+def structured_basis(name: str, size: int, seed: int):
+    """The factored form (perm or None, signs or None, [factors]) of basis ``name`` with
+    B = P·D·(K_1 ⊗ ... ⊗ K_m), (P y)[r] = y[perm[r]], D = diag(signs); None for dense-only bases.
+    Equal to the dense ``REPRESENTATIONS[name](size, seed)`` up to float rounding."""
+    if name == "hadamard" and is_power_of_two(size):
+        perm, signs = _hadamard_perm_signs(size, seed)
+        return perm, signs, [sylvester_hadamard(f) for f in kron_factor_sizes(size)]
+    if name == "haar_kron" and is_power_of_two(size):
+        return None, None, _haar_kron_factors(size, seed)
+    return None
 
 
 def identity_basis(size: int, seed: int) -> torch.Tensor:
@@ -80,6 +132,7 @@ def identity_basis(size: int, seed: int) -> torch.Tensor:
 REPRESENTATIONS: dict[str, BasisFn] = {
     "hadamard": hadamard_basis,
     "haar": haar_basis,
+    "haar_kron": haar_kron_basis,
     "identity": identity_basis,
 }
 

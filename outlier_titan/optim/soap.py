@@ -22,6 +22,8 @@ eigen-work (eigh, diag(QᵀPQ), the power step and its QR) runs in float64. In f
 factor's small eigenvalues are set by rounding noise, and Adam's per-coordinate normalisation turns that
 noise into full-size update differences: on the debug model, FSDP 2 vs world size 1 (gradients equal up to
 reduction order) gave per-step losses 1.5e-3 apart with fp32 factors and eigh, 2e-7 apart with float64.
+Default tiles are square (``tile_engine.plan_param``): a non-square tile's larger factor is rank-deficient at
+first, and its null-space eigenvectors are rounding noise too (3e-5 apart between layouts even in float64).
 """
 
 from __future__ import annotations

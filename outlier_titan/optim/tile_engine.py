@@ -60,6 +60,8 @@ class EngineOptions:
     """Tile-engine settings shared by OrthoAdam and SOAP (see the ``optimizer`` config section)."""
 
     tile_size: int = 256
+    shard_tile_size: int = 0
+    max_shards: int = 8
     tile_size_overrides: tuple[str, ...] = ()
     tile_alignment: str = "strict"
     vocab_axis: str = "identity"
@@ -72,6 +74,10 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.tile_size < 1:
             raise UserError(f"optimizer.tile_size = {self.tile_size} must be >= 1")
+        if self.shard_tile_size < 0:
+            raise UserError(f"optimizer.shard_tile_size = {self.shard_tile_size} must be >= 0 (0: automatic)")
+        if self.max_shards < 1:
+            raise UserError(f"optimizer.max_shards = {self.max_shards} must be >= 1")
         if self.tile_alignment not in ALIGNMENTS:
             raise UserError(f"optimizer.tile_alignment = {self.tile_alignment!r}; choose strict or adapt")
         if self.vocab_axis not in ("identity", "tile"):
@@ -80,13 +86,40 @@ class EngineOptions:
             raise UserError(f"optimizer.one_d = {self.one_d!r}; choose adamw or rotate")
         parse_overrides(self.tile_size_overrides)
 
-    def requested_tile(self, fqn: str, axis: int) -> int:
-        """The configured tile edge of ``fqn`` along ``axis``: the last matching override wins."""
+    def requested_tile(self, fqn: str, axis: int, extent: int | None = None, ndim: int = 2) -> int:
+        """The configured tile edge of ``fqn`` along ``axis`` (global ``extent``): the last matching override
+        wins; otherwise ``tile_size`` on the residual axis and ``default_shard_tile`` on the axis FSDP / TP
+        shard. Depends on the FQN and the global shape only, never on the layout."""
         size = self.tile_size
+        if extent is not None and axis == _sharded_axis(fqn, ndim):
+            size = self.default_shard_tile(extent)
         for pattern, ax, value in parse_overrides(self.tile_size_overrides):
             if (ax is None or ax == axis) and fnmatch.fnmatchcase(fqn, pattern):
                 size = value
         return size
+
+    def has_override(self, fqn: str) -> bool:
+        """Whether some ``tile_size_overrides`` entry matches ``fqn``."""
+        return any(fnmatch.fnmatchcase(fqn, pattern) for pattern, _, _ in parse_overrides(self.tile_size_overrides))
+
+    def default_shard_tile(self, extent: int) -> int:
+        """Tile edge along a sharded axis of global length ``extent``: ``shard_tile_size`` when set, else the
+        largest power of two <= ``tile_size`` with ``max_shards`` x tile dividing ``extent`` (so every layout
+        with up to ``max_shards`` power-of-two shards on that axis cuts it on tile edges); ``tile_size`` when
+        no power of two does (e.g. an odd length; the strict check then speaks for sharded layouts)."""
+        if self.shard_tile_size:
+            return self.shard_tile_size
+        t = 1
+        while 2 * t <= self.tile_size and extent % (2 * t * self.max_shards) == 0:
+            t *= 2
+        return t if t >= 2 else self.tile_size
+
+
+def _sharded_axis(fqn: str, ndim: int) -> int:
+    """The axis FSDP and TP shard (``parallel.fsdp.shard_dim_for``; the residual axis stays whole)."""
+    from outlier_titan.parallel.fsdp import shard_dim_for
+
+    return shard_dim_for(fqn, torch.empty((1,) * ndim, device="meta"))
 
 
 def parse_overrides(entries) -> list[tuple[str, int | None, int]]:
@@ -281,8 +314,8 @@ def plan_param(fqn: str, p: torch.Tensor, opts: EngineOptions, group_other_axis:
     """Tile plan of one parameter: which axes rotate, tile edges, the alignment check and local segments.
 
     ``group_other_axis``: an unrotated axis still carries a tile grid (SOAP: the factor of the rotated axis
-    accumulates over a tile of the other). ``stacked_state``: per-tile state will be sharded along the tile
-    axes, which is checked too.
+    accumulates over a tile of the other; its default tiles are square, see below). ``stacked_state``:
+    per-tile state will be sharded along the tile axes, which is checked too.
     """
     shape = tuple(p.shape)
     if len(shape) > 2:
@@ -304,10 +337,18 @@ def plan_param(fqn: str, p: torch.Tensor, opts: EngineOptions, group_other_axis:
             r = False
         rotate.append(r)
 
+    grid = [rotate[a] or (group_other_axis and rotate[1 - a]) for a in (0, 1)]
+    reqs = [opts.requested_tile(fqn, a, sizes[a], len(shape)) if grid[a] else 1 for a in (0, 1)]
+    if group_other_axis and all(grid) and not opts.has_override(fqn):
+        # SOAP: square default tiles (the smaller requested edge on both axes). A t0 x t1 tile
+        # with t0 < t1 gives R = Gᵀ G rank <= t0 on the first steps; the eigenvectors of its null space are
+        # then set by rounding noise, which differs between layouts (gradient reduction order) and which
+        # Adam's normalisation turns into visible update differences.
+        reqs = [min(reqs)] * 2
     axes = []
     for axis, n in enumerate(sizes):
-        needs_grid = rotate[axis] or (group_other_axis and rotate[1 - axis])
-        requested = opts.requested_tile(fqn, axis) if needs_grid else 1
+        needs_grid = grid[axis]
+        requested = reqs[axis]
         tile = max(1, min(requested, n)) if needs_grid else 1
         adapted = False
         if tile > 1:
@@ -326,7 +367,7 @@ def plan_param(fqn: str, p: torch.Tensor, opts: EngineOptions, group_other_axis:
             # An unrotated axis beside a rotated one (OrthoAdam: vocabulary, long axes): its rows are batched
             # in blocks of the configured tile when every shard aligns with them, so each product has the same
             # shape at any layout (bitwise equal results); otherwise one block per shard.
-            c = max(1, min(opts.requested_tile(fqn, axis), n))
+            c = max(1, min(opts.requested_tile(fqn, axis, n, len(shape)), n))
             bounds = shard_boundaries(n, axis, mesh_shape, placements) if is_dt else []
             compute = c if tile_ok(n, c, bounds, False) else 0
         axes.append(AxisPlan(size=n, tile=tile, rotate=rotate[axis] and tile > 1, requested=requested,
@@ -399,7 +440,8 @@ def _misaligned_message(fqn, shape, placements, axis, n, tile, bounds, pow2, bet
     fix = (f"set optimizer.tile_size_overrides = ['{fqn}:{axis}={better}'] (or optimizer.tile_size = {better})"
            if better is not None else "no tile size >= 2 fits this layout: change the parallel layout or the basis")
     return (f"optimizer: {fqn} (global shape {list(shape)}, placements {placements or '(not sharded)'}) dim {axis}: "
-            f"{'; '.join(what)}; {fix}, or optimizer.tile_alignment = 'adapt'")
+            f"{'; '.join(what)}; {fix}, or raise optimizer.max_shards to this axis' shard count, or "
+            f"optimizer.tile_alignment = 'adapt'")
 
 
 # ----------------------------------------------------------------------------------------------------------

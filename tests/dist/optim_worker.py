@@ -9,6 +9,7 @@ the optimizer alone is under test). Rank 0 writes the gathered full parameters a
 
 fsdp2xtp2 (4 ranks): STEPS steps, a DCP checkpoint after RESUME_AT; also the strict-alignment failure.
 fsdp2 (2 ranks): STEPS steps uninterrupted, and a resume from the 4-rank checkpoint.
+OrthoAdam runs its factored Hadamard path (permutation, signs, Kronecker factors in the shard's layout).
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ class Tiny(nn.Module):
 def build_optimizer(kind: str, model: nn.Module, seed: int = 7):
     named = list(model.named_parameters())
     groups = [{"params": [p for _, p in named], "names": [n for n, _ in named], "weight_decay": 0.1}]
-    opts = EngineOptions(tile_size=4, tile_size_overrides=("layers.*.attention.wq.weight:1=16",))
+    opts = EngineOptions(tile_size=4, shard_tile_size=4,
+                         tile_size_overrides=("layers.*.attention.wq.weight:1=16",))
     if kind == "orthoadam":
-        return OrthoAdam(groups, lr=1e-2, betas=(0.9, 0.95), seed=seed, basis="haar", options=opts)
+        return OrthoAdam(groups, lr=1e-2, betas=(0.9, 0.95), seed=seed, basis="hadamard", options=opts,
+                         factored_min_tile=2)  # the factored Hadamard path at every layout
     return SOAP(groups, lr=1e-2, precondition_frequency=2, options=opts)
 
 
@@ -192,7 +195,7 @@ def main(layout: str, out: Path) -> None:
         named = list(model.named_parameters())
         groups = [{"params": [p for _, p in named], "names": [n for n, _ in named], "weight_decay": 0.0}]
         try:
-            OrthoAdam(groups, basis="haar", options=EngineOptions(tile_size=8))
+            OrthoAdam(groups, basis="haar", options=EngineOptions(tile_size=8, shard_tile_size=8))
             msg = "no error"
         except TileAlignmentError as err:
             msg = str(err)
