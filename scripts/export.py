@@ -11,7 +11,6 @@ OP, anGPT, nGPT too), which ``scripts/evaluate.py --hf`` and ``checkpoint.initia
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -19,15 +18,16 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from outlier_titan import cli  # noqa: E402
 from outlier_titan.errors import UserError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("source", help="run folder, <run>/checkpoints/step-<N>, an export or an HF folder")
     p.add_argument("--out", required=True, help="new folder to write")
-    p.add_argument("--format", default="auto", choices=("auto", "hf", "safetensors"))
+    p.add_argument("--format", default="auto", choices=("auto", "hf", "safetensors"),
+                   help="hf for GPT-2/Llama-shaped models, safetensors + config.toml for the others; auto picks")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="hf: split weights into files of this size")
     args = p.parse_args(argv)
     from outlier_titan.checkpoint.export import export_model

@@ -24,13 +24,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from outlier_titan import cli  # noqa: E402
 from outlier_titan.errors import UserError  # noqa: E402
 from outlier_titan.study.fit import MIN_BINS, fit_table, to_json, to_markdown  # noqa: E402
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("table", help="collected sweep table (CSV)")
     p.add_argument("--family", default=None,
                    help="column whose values split the rows into model families, e.g. model.name "

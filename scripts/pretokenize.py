@@ -13,7 +13,6 @@ the tokenizer fingerprint (a run with another tokenizer is refused), document an
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,12 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from outlier_titan import cli  # noqa: E402
 from outlier_titan.errors import UserError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("source", help="a .txt/.jsonl/.parquet file or folder, 'embedded', or an HF save_to_disk folder")
     p.add_argument("--tokenizer", required=True, help="'embedded', a tiktoken BPE rank file or tiktoken:<name>")
     p.add_argument("--out", required=True, help="new folder for the shards and manifest.json")

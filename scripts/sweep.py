@@ -22,18 +22,20 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from outlier_titan import cli  # noqa: E402
 from outlier_titan.errors import UserError  # noqa: E402
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = cli.parser(__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    pl = sub.add_parser("plan", help="expand and validate a sweep file, write the sweep folder, print the table")
+    pl = sub.add_parser("plan", formatter_class=cli.HelpFormatter,
+                        help="expand and validate a sweep file, write the sweep folder, print the table")
     pl.add_argument("sweep_file")
     pl.add_argument("--out", default=None, help="sweep folder (default outputs/sweeps/<sweep file stem>)")
     pl.add_argument("--force", action="store_true", help="re-plan a folder planned from a different file")
-    r = sub.add_parser("run", help="run the unfinished points")
+    r = sub.add_parser("run", formatter_class=cli.HelpFormatter,
+                       help="run the unfinished points")
     r.add_argument("sweep_dir")
     mode = r.add_mutually_exclusive_group(required=True)
     mode.add_argument("--local", action="store_true", help="run here, --parallel points at a time")
@@ -45,16 +47,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for flag, kind in (("nodes", int), ("gpus-per-node", int), ("cpus-per-task", int), ("time", str),
                        ("partition", str), ("account", str), ("signal-seconds", int)):
         r.add_argument(f"--{flag}", type=kind, default=None, help="slurm: overrides the sweep file's [slurm]")
-    t = sub.add_parser("task", help="run one point (what a Slurm array task executes)")
+    t = sub.add_parser("task", formatter_class=cli.HelpFormatter,
+                       help="run one point (what a Slurm array task executes)")
     t.add_argument("sweep_dir")
     t.add_argument("--index", type=int, required=True, help="the point's index in manifest.json")
     t.add_argument("--nproc", type=int, default=1, help="ranks per node")
     t.add_argument("--nnodes", type=int, default=1)
     t.add_argument("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous (several nodes)")
     t.add_argument("--rdzv-id", default=None)
-    s = sub.add_parser("status", help="one line per point: done / running / failed / pending")
+    s = sub.add_parser("status", formatter_class=cli.HelpFormatter,
+                       help="one line per point: done / running / failed / pending")
     s.add_argument("sweep_dir")
-    c = sub.add_parser("collect", help="write results.csv / .md (/ .parquet) and print the markdown")
+    c = sub.add_parser("collect", formatter_class=cli.HelpFormatter,
+                       help="write results.csv / .md (/ .parquet) and print the markdown")
     c.add_argument("sweep_dir")
     return p.parse_args(argv)
 
