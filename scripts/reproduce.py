@@ -45,6 +45,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mfu", type=float, default=0.4, help="gpu --dry-run: assumed model FLOPs utilisation")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="gpu --dry-run: bf16 dense peak per GPU (989: H100/H200 SXM)")
+    p.add_argument("--gpu-gib", type=float, default=80.0, help="gpu --dry-run: memory per GPU")
     return p.parse_args(argv)
 
 
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     path = suite_file(args.suite, args.scale)
     if args.dry_run:
         if args.scale == "gpu":
-            print(gpu_dry_run(args.suite, args.tokenizer, args.mfu, args.peak_tflops))
+            print(gpu_dry_run(args.suite, args.tokenizer, args.mfu, args.peak_tflops, args.gpu_gib))
         else:
             from outlier_titan.study.plan import build_manifest
 
