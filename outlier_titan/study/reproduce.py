@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -269,6 +270,35 @@ def trajectory_figures(sweep_dir: Path, rows: list[dict[str, Any]], info: SuiteI
     return paths
 
 
+def worst_layer_peaks(records: dict[int, dict], metric: str) -> tuple[float, int, int] | None:
+    """(value, layer, step) of the largest ``outliers/layer_<i>/<metric>`` over every probe step, or None."""
+    best = None
+    pat = re.compile(rf"^outliers/layer_(\d+)/{re.escape(metric)}$")
+    for step, rec in records.items():
+        for k, v in rec.items():
+            m = pat.match(k)
+            if m and _num(v) is not None and (best is None or v > best[0]):
+                best = (float(v), int(m.group(1)), step)
+    return best
+
+
+def peaks_table(sweep_dir: Path, rows: list[dict[str, Any]], metrics: list[str]) -> list[str]:
+    """Markdown: per point and metric, the final and peak (over probe steps) mean over blocks, and the worst
+    layer's peak with its layer and step (outliers peak early and in early layers, seed 002)."""
+    head = "| point | " + " | ".join(f"{m}: final / peak / worst layer (layer, step)" for m in metrics) + " |"
+    lines = [head, "|---|" + "---|" * len(metrics)]
+    for r in rows:
+        path = point_dir(sweep_dir, r["point"]) / "metrics.jsonl"
+        recs = read_metrics(path) if path.is_file() else {}
+        cells = []
+        for m in metrics:
+            w = worst_layer_peaks(recs, m)
+            worst = f"{fmt(w[0])} ({w[1]}, {w[2]})" if w else "—"
+            cells.append(f"{fmt(r.get(f'final_{m}'))} / {fmt(r.get(f'peak_{m}'))} / {worst}")
+        lines.append(f"| {r['point']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 def _axes_label(row: dict[str, Any], axes: list[str]) -> str:
@@ -340,7 +370,11 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
             lines.append(f"**{r['point']}** ({_axes_label(r, manifest['axes'])})  ")
             lines.append(f"![hidden {r['point']}](figures/hidden_{r['point']}.png)")
             lines.append("")
-    lines += ["## Appendix: every point (settings → final and peak metrics)", "",
+    lines += ["## Peaks over training and the worst layer", "",
+              "From each point's `metrics.jsonl` (training probe, every `observe.every` steps).", ""]
+    lines += peaks_table(sweep_dir, rows, list(dict.fromkeys([info.kurtosis, "kurtosis_neuron_rms",
+                                                              "first_token_argmax_share", "max_abs_rest"])))
+    lines += ["", "## Appendix: every point (settings → final and peak metrics)", "",
               (out / "results.md").read_text().rstrip(), ""]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
