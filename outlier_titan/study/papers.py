@@ -28,6 +28,7 @@ class SuiteInfo:
     rows: list[PaperRow] = field(default_factory=list)
     schemes: tuple[str, ...] = ()     # scripts/evaluate.py --schemes
     kurtosis: str = "kurtosis_rest"   # the probe metric of the kurtosis trajectory figure
+    extra_probe: tuple[str, ...] = ()  # further probe metrics of the report's peaks table
 
 
 def _k(opt: str, sm: str, norm: str) -> dict[str, object]:
@@ -89,6 +90,7 @@ HE = SuiteInfo(
     ],
     schemes=("w8a8_static",),
     kurtosis="kurtosis_neuron_rms",
+    extra_probe=("signal_prop_corr",),  # seed 002 §2: mean input correlation tracks the kurtosis
 )
 
 FRANKE = SuiteInfo(

@@ -292,9 +292,11 @@ def peaks_table(sweep_dir: Path, rows: list[dict[str, Any]], metrics: list[str])
         recs = read_metrics(path) if path.is_file() else {}
         cells = []
         for m in metrics:
+            series = [v for v in (_num(recs[s].get(f"outliers/{m}")) for s in sorted(recs)) if v is not None]
             w = worst_layer_peaks(recs, m)
             worst = f"{fmt(w[0])} ({w[1]}, {w[2]})" if w else "—"
-            cells.append(f"{fmt(r.get(f'final_{m}'))} / {fmt(r.get(f'peak_{m}'))} / {worst}")
+            cells.append(f"{fmt(series[-1] if series else None)} / {fmt(max(series) if series else None)} / "
+                         f"{worst}")
         lines.append(f"| {r['point']} | " + " | ".join(cells) + " |")
     return lines
 
@@ -373,7 +375,8 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     lines += ["## Peaks over training and the worst layer", "",
               "From each point's `metrics.jsonl` (training probe, every `observe.every` steps).", ""]
     lines += peaks_table(sweep_dir, rows, list(dict.fromkeys([info.kurtosis, "kurtosis_neuron_rms",
-                                                              "first_token_argmax_share", "max_abs_rest"])))
+                                                              "first_token_argmax_share", "max_abs_rest",
+                                                              *info.extra_probe])))
     lines += ["", "## Appendix: every point (settings → final and peak metrics)", "",
               (out / "results.md").read_text().rstrip(), ""]
     path = out / "report.md"
