@@ -37,7 +37,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sweep-dir", default=None, help="run folders (default outputs/reproduce/<suite>-<scale>)")
     p.add_argument("--parallel", type=int, default=1, help="local: points at a time")
     p.add_argument("--slurm", action="store_true", help="submit the unfinished points as a Slurm job array")
-    p.add_argument("--slurm-args", default="", help="extra flags of 'sweep.py run --slurm', one quoted string, e.g. --slurm-args=\"--print-only\"")
+    p.add_argument("--slurm-args", default="",
+                   help="extra flags of 'sweep.py run --slurm', one quoted string, e.g. --slurm-args=\"--print-only\"")
     p.add_argument("--report-only", action="store_true", help="do not train; evaluate, collect and report")
     p.add_argument("--dry-run", action="store_true",
                    help="plan only: the points (gpu scale: per-GPU memory and time on 1 and 8 GPUs)")

@@ -364,9 +364,10 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     for p in figs:
         lines.append(f"![{p.stem}](figures/{p.name})")
     lines += ["", "## Hidden-state magnitudes (evaluation probe, first token vs the rest)", ""]
-    claims_points = [r for r in rows if any(matches(r, pr.select) for pr in info.rows)] or rows
-    for r in claims_points:
-        src = point_dir(sweep_dir, r["point"]) / "eval" / f"step-{manifest_steps(manifest, r['point'])}.hidden_magnitude.png"
+    compared = [r for r in rows if any(matches(r, pr.select) for pr in info.rows)] or rows
+    for r in compared:
+        steps = manifest_steps(manifest, r["point"])
+        src = point_dir(sweep_dir, r["point"]) / "eval" / f"step-{steps}.hidden_magnitude.png"
         if src.is_file():
             shutil.copy2(src, fig_dir / f"hidden_{r['point']}.png")
             lines.append(f"**{r['point']}** ({_axes_label(r, manifest['axes'])})  ")
@@ -405,9 +406,9 @@ def build_report(suite: str, scale: str, sweep_dir: Path, out: Path) -> Path:
 
 def gpu_dry_run(suite: str, tokenizer: str | None, mfu: float, peak_tflops: float, gpu_gib: float = 80.0,
                 layouts: tuple[int, ...] = (1, 8)) -> str:
-    """The suite's gpu-scale runs: parameters, tokens, FLOPs, per-rank memory at the largest micro-batch that fits
-    ``gpu_gib`` (the trainer's ``--dry_run`` planner, :func:`outlier_titan.parallel.planning.plan`) and estimated wall time on 1 and 8 GPUs at ``mfu`` of
-    ``peak_tflops`` per GPU."""
+    """The suite's gpu-scale runs: parameters, tokens, FLOPs, per-rank memory at the largest micro-batch that
+    fits ``gpu_gib`` (the trainer's ``--dry_run`` planner, :func:`outlier_titan.parallel.planning.plan`) and the
+    estimated wall time on 1 and 8 GPUs at ``mfu`` of ``peak_tflops`` per GPU."""
     import copy
     import tempfile
 
