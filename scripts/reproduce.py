@@ -39,6 +39,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slurm", action="store_true", help="submit the unfinished points as a Slurm job array")
     p.add_argument("--slurm-args", default="",
                    help="extra flags of 'sweep.py run --slurm', one quoted string, e.g. --slurm-args=\"--print-only\"")
+    p.add_argument("--force", action="store_true",
+                   help="re-plan a sweep folder planned from an older suite file (changed points move to replaced/)")
     p.add_argument("--report-only", action="store_true", help="do not train; evaluate, collect and report")
     p.add_argument("--dry-run", action="store_true",
                    help="plan only: the points (gpu scale: per-GPU memory and time on 1 and 8 GPUs)")
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     sweep_dir = Path(args.sweep_dir or Path("outputs") / "reproduce" / tag)
     out = Path(args.out or Path("reports") / tag)
     if not args.report_only:
-        manifest, _ = write_plan(load_sweep(path), sweep_dir)
+        manifest, _ = write_plan(load_sweep(path), sweep_dir, force=args.force)
         print(plan_table(manifest), file=sys.stderr)
         if args.slurm:
             cmd = [sys.executable, str(REPO / "scripts" / "sweep.py"), "run", str(sweep_dir), "--slurm",

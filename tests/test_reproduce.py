@@ -14,7 +14,7 @@ import pytest
 
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.study.papers import SUITE_INFO
-from outlier_titan.study.reproduce import fmt, suite_file
+from outlier_titan.study.reproduce import claims_he, fmt, suite_file, tokens_to_reach
 from outlier_titan.study.spec import load_sweep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,3 +123,19 @@ def test_bad_arguments_are_one_line_user_errors():
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "--mfu" in proc.stderr
     proc = _run("--suite", "he2024", "--scale", "smoke", "--tokenizer", "x")
     assert proc.returncode == 2 and "--tokenizer applies" in proc.stderr
+
+
+def test_tokens_to_reach_interpolates_between_evaluations_and_verdicts_follow_the_numbers():
+    recs = {1: {"loss": 9.0}, 2: {"val_loss": 5.0}, 4: {"val_loss": 3.0}, 6: {"val_loss": 2.0}}
+    assert tokens_to_reach(recs, 10, 4.0) == pytest.approx(30.0)   # halfway between steps 2 and 4
+    assert tokens_to_reach(recs, 10, 5.0) == pytest.approx(20.0)
+    assert tokens_to_reach(recs, 10, 1.0) is None
+    rows = [{"point": "a", "model.block": "pre_ln", "optimizer.name": "adamw", "peak_kurtosis_neuron_rms": 50.0,
+             "d_w8a8": 3.0},
+            {"point": "b", "model.block": "op", "optimizer.name": "soap", "peak_kurtosis_neuron_rms": 10.0,
+             "d_w8a8": 1.0}]
+    (_, ok1, detail), (_, ok2, _) = claims_he(rows)
+    assert ok1 and "ratio 5" in detail and not ok2    # 50 / 10 = 5 >= 5; 1.0 is not below 3.0 / 3
+    rows[1]["peak_kurtosis_neuron_rms"] = 10.5
+    assert claims_he(rows)[0][1] is False
+    assert claims_he(rows[:1])[0][1] is None          # OP + SOAP missing: not determined
