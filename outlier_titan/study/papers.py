@@ -1,0 +1,113 @@
+"""The papers' numbers that the reproduction suites put beside ours, transcribed from the reference specs.
+
+Each :class:`PaperRow` names the sweep point it corresponds to by axis values (``select``), the paper's value per
+metric, and where the number is printed. Sources: ``shared/reference/seed_orthoadam.md`` §7 (Kaul et al., ICLR
+2025: Tables 2, 3, 5), ``seed_op_soap.md`` §6.3 (He et al. 2024: Table 2, OPT-125m), ``seed_angpt.md`` §10 (Franke
+et al. 2025: §5.2, Fig. 3, Table 2). The model sizes differ from ours; the rows are the papers' settings that our
+points mirror, not predictions of our numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PaperRow:
+    label: str
+    select: dict[str, object]
+    paper: dict[str, float]
+    source: str
+
+
+@dataclass(frozen=True)
+class SuiteInfo:
+    title: str
+    citation: str
+    metrics: dict[str, str]           # metric key -> column header (order = table order)
+    rows: list[PaperRow] = field(default_factory=list)
+    schemes: tuple[str, ...] = ()     # scripts/evaluate.py --schemes
+    kurtosis: str = "kurtosis_rest"   # the probe metric of the kurtosis trajectory figure
+    extra_probe: tuple[str, ...] = ()  # further probe metrics of the report's peaks table
+
+
+def _k(opt: str, sm: str, norm: str) -> dict[str, object]:
+    return {"optimizer.name": opt, "model.softmax": sm, "model.norm": norm}
+
+
+KAUL = SuiteInfo(
+    title="kaul2024: softmax-1 and OrthoAdam against first-token dominance and outlier activations",
+    citation="Kaul et al., From Attention to Activation: Unravelling the Enigmas of Large Language Models, ICLR 2025",
+    metrics={"ppl": "PPL", "kurtosis_first": "κ₁", "kurtosis_rest": "κ>₁", "max_abs_first": "A₁",
+             "max_abs_rest": "A>₁", "first_share": "%First", "d_int8_coarse": "Δppl int8 coarse",
+             "d_int4": "Δppl int4 zero-point"},
+    rows=[
+        PaperRow("GPT2 130M, Adam, softmax, RMSNorm-S", _k("adam", "softmax", "rmsnorm_single"),
+                 dict(ppl=22.9, kurtosis_first=514.9, kurtosis_rest=141.5, max_abs_first=7018.1,
+                      max_abs_rest=1014.8, first_share=0.527, d_int8_coarse=23.60, d_int4=657.0),
+                 "Table 2 row 5, Table 3 row 3"),
+        PaperRow("GPT2 130M, Adam, softmax-1, RMSNorm-S", _k("adam", "softmax1", "rmsnorm_single"),
+                 dict(ppl=22.7, kurtosis_first=175.4, kurtosis_rest=144.2, max_abs_first=1134.3,
+                      max_abs_rest=967.5, first_share=0.024), "Table 2 row 6"),
+        PaperRow("GPT2 130M, OrthoAdam, softmax, RMSNorm-S", _k("orthoadam", "softmax", "rmsnorm_single"),
+                 dict(ppl=23.1, kurtosis_first=446.4, kurtosis_rest=20.2, max_abs_first=4285.0,
+                      max_abs_rest=433.4, first_share=0.424), "Table 2 row 7"),
+        PaperRow("GPT2 130M, OrthoAdam, softmax-1, RMSNorm-S", _k("orthoadam", "softmax1", "rmsnorm_single"),
+                 dict(ppl=22.8, kurtosis_first=10.1, kurtosis_rest=7.3, max_abs_first=318.1, max_abs_rest=261.6,
+                      first_share=0.019, d_int8_coarse=0.43, d_int4=1.2), "Table 2 row 8, Table 3 row 4"),
+        # Table 5 (GPT2 ~130M, 40k steps): its single kurtosis / max column is undefined (seed_orthoadam.md §3.3),
+        # so only PPL and %First are compared
+        PaperRow("GPT2 130M ablation, Adam, softmax, LayerNorm", _k("adam", "softmax", "layernorm"),
+                 dict(ppl=26.9, first_share=0.308), "Table 5 row 2"),
+        PaperRow("GPT2 130M ablation, Adam, softmax-1, LayerNorm", _k("adam", "softmax1", "layernorm"),
+                 dict(ppl=26.5, first_share=0.022), "Table 5 row 5"),
+        PaperRow("GPT2 130M ablation, OrthoAdam, softmax-1, LayerNorm", _k("orthoadam", "softmax1", "layernorm"),
+                 dict(ppl=26.6, first_share=0.023), "Table 5 row 14"),
+    ],
+    schemes=("int8_fine", "int8_moderate", "int8_coarse", "int4_zeropoint"),
+    kurtosis="kurtosis_rest",
+)
+
+
+def _h(block: str, opt: str) -> dict[str, object]:
+    return {"model.block": block, "optimizer.name": opt}
+
+
+HE = SuiteInfo(
+    title="he2024: the Outlier Protected block and SOAP against outlier features",
+    citation="He et al., Understanding and Minimising Outlier Features in Transformer Training, NeurIPS 2024",
+    metrics={"ppl": "PPL", "kurtosis_neuron_rms": "kurtosis (neuron RMS, final)",
+             "peak_kurtosis_neuron_rms": "kurtosis (neuron RMS, peak)", "d_w8a8": "Δppl W8A8"},
+    rows=[
+        PaperRow("OPT-125m, Pre-LN, AdamW (default)", _h("pre_ln", "adamw"),
+                 dict(ppl=16.00, kurtosis_neuron_rms=25.6, d_w8a8=47.40), "Table 2 row 1"),
+        PaperRow("OPT-125m, Pre-LN, SOAP", _h("pre_ln", "soap"),
+                 dict(ppl=14.80, kurtosis_neuron_rms=5.1, d_w8a8=1.63), "Table 2 row 5"),
+        PaperRow("OPT-125m, OP, AdamW (default)", _h("op", "adamw"),
+                 dict(ppl=15.64, kurtosis_neuron_rms=3.6, d_w8a8=0.37), "Table 2 row 11"),
+        PaperRow("OPT-125m, OP, SOAP", _h("op", "soap"),
+                 dict(ppl=14.71, kurtosis_neuron_rms=1.2, d_w8a8=0.16), "Table 2 row 15"),
+    ],
+    schemes=("w8a8_static",),
+    kurtosis="kurtosis_neuron_rms",
+    extra_probe=("signal_prop_corr",),  # seed 002 §2: mean input correlation tracks the kurtosis
+)
+
+FRANKE = SuiteInfo(
+    title="franke2025: anGPT and nGPT against GPT+ at equal tokens",
+    citation="Franke et al., Learning in Compact Spaces with Approximately Normalized Transformers, 2025",
+    metrics={"final_val_loss": "final val loss", "speedup": "speed-up vs GPT+ (tokens ratio)",
+             "step_time_ratio": "step time / GPT+'s"},
+    rows=[
+        PaperRow("0.5B, anGPT vs GPT+ (QK-norm)", {"model.name": "angpt"},
+                 dict(speedup=1.4, step_time_ratio=1.0275), "§5.2 / Fig. 3 (average speed-up), Table 2"),
+        PaperRow("0.5B, nGPT vs GPT+ (QK-norm)", {"model.name": "ngpt"},
+                 dict(speedup=1.29), "§5.2 / Fig. 3 (average speed-up)"),
+        PaperRow("0.5B, GPT+ (QK-norm)", {"model.name": "pre_ln"}, dict(speedup=1.0, step_time_ratio=1.0),
+                 "the reference of both ratios"),
+    ],
+    schemes=("int8_fine",),
+    kurtosis="kurtosis_rest",
+)
+
+SUITE_INFO = {"kaul2024": KAUL, "he2024": HE, "franke2025": FRANKE}

@@ -1,0 +1,141 @@
+"""scripts/reproduce.py end to end: every suite at the smoke scale (real training runs through the sweep engine,
+real scripts/evaluate.py reports) produces a report whose numbers are the runs' numbers; the gpu dry run lists
+the papers' runs on 1 and 8 GPUs."""
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from outlier_titan.observe.logger import read_metrics
+from outlier_titan.study.papers import SUITE_INFO
+from outlier_titan.study.reproduce import claims_he, fmt, suite_file, tokens_to_reach
+from outlier_titan.study.spec import load_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "reproduce.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _run(*args, timeout=600):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env=ENV, cwd=REPO)
+
+
+def _rows(out: Path) -> dict[str, dict[str, str]]:
+    with (out / "results.csv").open() as f:
+        return {r["point"]: r for r in csv.DictReader(f)}
+
+
+def _comparison_cells(report: str, point: str) -> list[str]:
+    """The `paper / ours` cells of the comparison rows of ``point``."""
+    cells = []
+    table = report.split("## The paper's numbers beside ours")[1].split("## Trajectories")[0]
+    for line in table.splitlines():
+        parts = [c.strip() for c in line.strip("|").split("|")]
+        if len(parts) > 3 and parts[2] == point:
+            cells.append(parts[3:])
+    return cells
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suite", ["kaul2024", "he2024", "franke2025"])
+def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path):
+    sweep_dir, out = tmp_path / "sweep", tmp_path / "report"
+    proc = _run("--suite", suite, "--scale", "smoke", "--sweep-dir", str(sweep_dir), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = (out / "report.md").read_text()
+    info = SUITE_INFO[suite]
+    planned = load_sweep(suite_file(suite, "smoke")).points
+    rows = _rows(out)
+    assert set(rows) == {p.name for p in planned}
+    for p in planned:
+        # a real finished run: its own metrics log reaches the final step, its evaluation report exists
+        folder = sweep_dir / "points" / p.name
+        records = read_metrics(folder / "metrics.jsonl")
+        final = p.cfg.training.steps
+        assert rows[p.name]["status"] == "done" and "loss" in records[final]
+        assert (out / "runs" / p.name / "metrics.jsonl").read_text() == (folder / "metrics.jsonl").read_text()
+        ev = json.loads((folder / "eval" / f"step-{final}.json").read_text())
+        assert [e["scheme"] for e in ev["schemes"]] == list(info.schemes)
+        # the numbers of the comparison table are the run's own (metrics.jsonl / evaluation report)
+        val = [records[s]["val_loss"] for s in sorted(records) if "val_loss" in records[s]]
+        assert float(rows[p.name]["final_val_loss"]) == pytest.approx(val[-1])
+        ours = {"ppl": ev["full_precision"]["ppl"], "final_val_loss": val[-1]}
+        probe = [records[s] for s in sorted(records) if f"outliers/{info.kurtosis}" in records[s]]
+        for m in ("kurtosis_first", "kurtosis_rest", "max_abs_first", "max_abs_rest", "kurtosis_neuron_rms"):
+            ours[m] = probe[-1].get(f"outliers/{m}")
+        ours["peak_kurtosis_neuron_rms"] = max(r["outliers/kurtosis_neuron_rms"] for r in probe)
+        ours["first_share"] = probe[-1]["outliers/first_token_argmax_share"]
+        deltas = {e["scheme"]: e["delta"] for e in ev["schemes"]}
+        ours["d_int4"] = deltas.get("int4_zeropoint")
+        ours["d_int8_coarse"] = deltas.get("int8_coarse")
+        ours["d_w8a8"] = deltas.get("w8a8_static")
+        for cells in _comparison_cells(report, p.name):
+            for metric, cell in zip(info.metrics, cells):
+                if metric in ours:
+                    assert cell.split(" / ")[1] == fmt(ours[metric]), (p.name, metric, cell)
+    # one computed verdict per claim, each with its numbers
+    verdicts = re.findall(r"^- \*\*(reproduced|not reproduced|not determined) at this scale\*\* — (.*)$", report,
+                          re.M)
+    assert len(verdicts) == {"kaul2024": 3, "he2024": 2, "franke2025": 1}[suite]
+    assert all(v != "not determined" for v, _ in verdicts), verdicts
+    if suite == "he2024":
+        b, r = (float(rows[n]["peak_kurtosis_neuron_rms"]) for n in ("pre_ln_adamw", "op_soap"))
+        verdict, line = verdicts[0]
+        assert f"ratio {fmt(b / r)}" in line and verdict == ("reproduced" if b / r >= 5 else "not reproduced")
+    if suite == "franke2025":
+        assert fmt(float(rows["pre_ln"]["final_val_loss"])) in verdicts[0][1]
+    for fig in ("kurtosis.png", "first_token.png", "loss.png"):
+        assert (out / "figures" / fig).stat().st_size > 1000
+    assert list((out / "figures").glob("hidden_*.png"))
+    # running again re-uses the finished points and evaluations
+    again = _run("--suite", suite, "--scale", "smoke", "--sweep-dir", str(sweep_dir), "--out", str(out))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert _rows(out) == rows
+
+
+@pytest.mark.slow
+def test_gpu_dry_run_lists_the_papers_runs_on_1_and_8_gpus():
+    expected = {"kaul2024": (8, "orthoadam_softmax1_rmsnorm_single"), "he2024": (8, "op_soap"),
+                "franke2025": (3, "angpt")}
+    for suite, (count, name) in expected.items():
+        proc = _run("--suite", suite, "--scale", "gpu", "--dry-run", "--tokenizer",
+                    "assets/tokenizer/stdlib_bpe.tiktoken", timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "1GPU:micro" in proc.stdout and "8GPU:micro" in proc.stdout
+        runs = [ln.split() for ln in proc.stdout.splitlines() if re.match(r"^\S+\s+[\d.]+[kMG]\s", ln)]
+        assert len(runs) == count and name in [r[0] for r in runs]
+        for cols in runs:
+            # point params tokens FLOPs | micro GiB hours (1 GPU) | micro GiB hours (8 GPUs)
+            flops = float(cols[3])
+            for n, hours in ((1, float(cols[6])), (8, float(cols[9]))):
+                assert hours == pytest.approx(flops / (n * 989e12 * 0.4) / 3600, abs=0.051)
+
+
+def test_bad_arguments_are_one_line_user_errors():
+    proc = _run("--suite", "he2024", "--scale", "gpu", "--dry-run", "--mfu", "1.5")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "--mfu" in proc.stderr
+    proc = _run("--suite", "he2024", "--scale", "smoke", "--tokenizer", "x")
+    assert proc.returncode == 2 and "--tokenizer applies" in proc.stderr
+
+
+def test_tokens_to_reach_interpolates_between_evaluations_and_verdicts_follow_the_numbers():
+    recs = {1: {"loss": 9.0}, 2: {"val_loss": 5.0}, 4: {"val_loss": 3.0}, 6: {"val_loss": 2.0}}
+    assert tokens_to_reach(recs, 10, 4.0) == pytest.approx(30.0)   # halfway between steps 2 and 4
+    assert tokens_to_reach(recs, 10, 5.0) == pytest.approx(20.0)
+    assert tokens_to_reach(recs, 10, 1.0) is None
+    rows = [{"point": "a", "model.block": "pre_ln", "optimizer.name": "adamw", "peak_kurtosis_neuron_rms": 50.0,
+             "d_w8a8": 3.0},
+            {"point": "b", "model.block": "op", "optimizer.name": "soap", "peak_kurtosis_neuron_rms": 10.0,
+             "d_w8a8": 1.0}]
+    (_, ok1, detail), (_, ok2, _) = claims_he(rows)
+    assert ok1 and "ratio 5" in detail and not ok2    # 50 / 10 = 5 >= 5; 1.0 is not below 3.0 / 3
+    rows[1]["peak_kurtosis_neuron_rms"] = 10.5
+    assert claims_he(rows)[0][1] is False
+    assert claims_he(rows[:1])[0][1] is None          # OP + SOAP missing: not determined
