@@ -303,8 +303,8 @@ _VOCAB: dict[str, int] = {}
 
 
 def _vocab_size(tokenizer: str) -> int:
-    from outlier_titan.data import build_tokenizer
+    from outlier_titan.data.tokenizer import planning_vocab
 
     if tokenizer not in _VOCAB:
-        _VOCAB[tokenizer] = build_tokenizer(tokenizer).vocab_size
+        _VOCAB[tokenizer] = planning_vocab(tokenizer)[0]  # a named tiktoken encoding plans offline too
     return _VOCAB[tokenizer]
