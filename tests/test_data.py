@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 
 import numpy as np
@@ -352,24 +353,36 @@ def test_empty_txt_source_names_the_file(tmp_path, tok):
         _loader(Data(source=str(path), cache_dir=str(tmp_path)), tok, split="validation")
 
 
-def test_parquet_without_pyarrow(tmp_path):
-    try:
-        import pyarrow  # noqa: F401
-        pytest.skip("pyarrow is installed; the missing-extra message cannot be triggered")
-    except ImportError:
-        pass
+def test_parquet_without_pyarrow(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # the extra not installed: its import fails
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     path = tmp_path / "d.parquet"
     path.write_bytes(b"PAR1")
     with pytest.raises(DataError, match=r"needs pyarrow; pip install pyarrow"):
         list(local_corpus(str(path), "train").documents())
 
 
-def test_hf_source_without_datasets_extra():
-    try:
-        import datasets  # noqa: F401
-        pytest.skip("the 'datasets' package is installed; the missing-extra message cannot be triggered")
-    except ImportError:
-        pass
+def test_parquet_source_reads_the_documents_of_the_same_jsonl(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"document {i}: " + " ".join(f"w{j}" for j in range(i % 11, i % 11 + 25)) for i in range(300)]
+    texts[7] = "unicode é ✓ and a\nsecond line"
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    pq.write_table(pa.table({"id": list(range(300)), "body": texts}), tmp_path / "c.parquet", row_group_size=64)
+    for split in ("train", "validation"):
+        want = list(local_corpus(str(tmp_path / "c.jsonl"), split, text_field="body").documents())
+        got = list(local_corpus(str(tmp_path / "c.parquet"), split, text_field="body").documents())
+        assert got == want and 0 < len(got) < 300
+    with pytest.raises(DataError, match=r"has no column 'text' \(columns: id, body\); set data.text_field"):
+        list(local_corpus(str(tmp_path / "c.parquet"), "train").documents())
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=r"cannot read .*bad.parquet as parquet"):
+        list(local_corpus(str(tmp_path / "bad.parquet"), "train").documents())
+
+
+def test_hf_source_without_datasets_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)
     for name in ("c4", "fineweb"):
         with pytest.raises(DataError, match=r"needs the Hugging Face 'datasets' package; pip install "
                                             r"'outlier_titan\[hf\]'"):

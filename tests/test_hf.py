@@ -422,14 +422,8 @@ def test_train_with_an_unsupported_initial_model_exits_2(tmp_path):
     assert not (tmp_path / "debug").exists()
 
 
-def _has_datasets() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("datasets") is not None
-
-
-@pytest.mark.skipif(_has_datasets(), reason="checks the message shown when 'datasets' is missing")
-def test_saved_hf_dataset_without_datasets_is_one_line_error(tmp_path, capsys):
+def test_saved_hf_dataset_without_datasets_is_one_line_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # the hf extra not installed: its import fails
     from tests.test_evaluate import load_script
 
     saved = tmp_path / "saved"
@@ -442,7 +436,6 @@ def test_saved_hf_dataset_without_datasets_is_one_line_error(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.skipif(not _has_datasets(), reason="needs the 'datasets' package (hf extra)")
 def test_saved_hf_dataset_gives_the_shards_of_the_same_jsonl(tmp_path):
     import datasets
 

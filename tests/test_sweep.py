@@ -221,6 +221,11 @@ def test_collect_table_and_tensorboard_hparams(local_sweep):
     assert rows[2]["final_train_loss"] == ""
     md = (out / "results.md").read_text().splitlines()
     assert len(md) == 2 + 3 and md[2].startswith("| d16_0 | done | 16 |")
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out / "results.parquet").to_pylist()
+    assert [r["point"] for r in table] == ["d16_0", "d32_1", "d16_2"] and list(table[0]) == header
+    assert table[1]["final_train_loss"] == pytest.approx(rec[6]["loss"]) and table[2]["final_train_loss"] is None
     # each point's axes once as hparams, in the run's tb folder beside its scalars
     acc = EventAccumulator(str(out / "points" / "d32_1" / "tb"))
     acc.Reload()
