@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Callable
+
+from outlier_titan.errors import UserError
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -19,3 +23,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 def parser(doc: str, **kwargs) -> argparse.ArgumentParser:
     """An ``ArgumentParser`` with ``doc`` (a script's module docstring) as its full description."""
     return argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter, **kwargs)
+
+
+def report_user_errors(fn: Callable[..., int], *args) -> int:
+    """``fn(*args)``'s exit code; a ``UserError`` becomes the one line ``error: ...`` on stderr and exit code 2."""
+    try:
+        return fn(*args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

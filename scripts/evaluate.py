@@ -72,11 +72,7 @@ def _loader_fn():
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    try:
-        return run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.report_user_errors(run, args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from outlier_titan import cli  # noqa: E402
 from outlier_titan.errors import UserError  # noqa: E402
 from outlier_titan.study.reproduce import SCALES, SUITES  # noqa: E402
 
@@ -54,11 +55,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    try:
-        return run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.report_user_errors(run, args)
 
 
 def run(args: argparse.Namespace) -> int:

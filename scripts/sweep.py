@@ -66,11 +66,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    try:
-        return COMMANDS[args.command](args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.report_user_errors(COMMANDS[args.command], args)
 
 
 def cmd_plan(args) -> int:
