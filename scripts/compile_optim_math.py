@@ -1,6 +1,7 @@
 """Eager vs ``torch.compile`` of the optimizer step's element-wise math: SOAP's moment updates, sqrt(v) + eps and
 division, and OrthoAdam's foreach chain, on the rotated matrices of GPT-2 small (``gpt2``) or one of its layers
-(``layer``). Prints compile times, the largest relative difference and medians of 7 interleaved calls.
+(``layer``). Prints compile times, the largest relative difference and medians of 7 interleaved calls; then
+whether the compiled kernel gives the same bits when its input is cut in two (as shards would cut it).
 
     python scripts/compile_optim_math.py [THREADS] [gpt2|layer]
 """
@@ -88,3 +89,21 @@ for _ in range(7):
 print(f"{scale}: {n/1e6:.1f}M elements, {torch.get_num_threads()} thread(s); compile time soap {tc_s:.1f} s, orthoadam {tc_o:.1f} s; max rel diff {err:.1e}")
 for k, v in times.items():
     print(f"  {k:20s} {statistics.median(v)*1e3:8.1f} ms")
+
+# Does the compiled kernel depend on where the data is cut (as a shard boundary would cut it)?
+
+
+def moments(m, v, g, b1, b2, eps):
+    m = torch.lerp(m, g, 1 - b1)
+    v = v * b2 + (1 - b2) * g * g
+    return m / (v.sqrt() + eps)
+
+
+dyn = torch.compile(moments, dynamic=True)
+size = 768 * 3072 + 37
+m, v, g = (torch.randn(size, generator=gen).abs() * 1e-3 for _ in range(3))
+whole = dyn(m, v, g, *args_s)
+for cut in (768 * 1536, 768 * 1536 + 5, 1000003, 13):
+    pieces = [dyn(m[s].clone(), v[s].clone(), g[s].clone(), *args_s) for s in (slice(0, cut), slice(cut, size))]
+    print(f"cut at {cut}: {(~torch.eq(torch.cat(pieces), whole)).sum().item()} elements differ from the whole call")
+print(f"compiled vs eager: {(~torch.eq(moments(m, v, g, *args_s), whole)).sum().item()} of {size} elements differ")
