@@ -79,14 +79,16 @@ a = soap_eager(m1, v1, gs, *args_s)
 b = soap_c(m2, v2, gs, *args_s)
 err = max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item() for x, y in zip(a, b))
 fns = {"soap eager": lambda: soap_eager(ms, vs, gs, *args_s), "soap compiled": lambda: soap_c(ms, vs, gs, *args_s),
-       "orthoadam eager": lambda: ortho_eager(ms, vs, gs, *args_o), "orthoadam compiled": lambda: ortho_c(ms, vs, gs, *args_o)}
+       "orthoadam eager": lambda: ortho_eager(ms, vs, gs, *args_o),
+       "orthoadam compiled": lambda: ortho_c(ms, vs, gs, *args_o)}
 times = {k: [] for k in fns}
 for _ in range(7):
     for k, f in fns.items():
         t0 = time.perf_counter()
         f()
         times[k].append(time.perf_counter() - t0)
-print(f"{scale}: {n/1e6:.1f}M elements, {torch.get_num_threads()} thread(s); compile time soap {tc_s:.1f} s, orthoadam {tc_o:.1f} s; max rel diff {err:.1e}")
+print(f"{scale}: {n/1e6:.1f}M elements, {torch.get_num_threads()} thread(s); compile time soap {tc_s:.1f} s, "
+      f"orthoadam {tc_o:.1f} s; max rel diff {err:.1e}")
 for k, v in times.items():
     print(f"  {k:20s} {statistics.median(v)*1e3:8.1f} ms")
 

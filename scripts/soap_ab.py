@@ -42,13 +42,15 @@ for op in opts.values():
     op.step()
     op.step()
 times = {k: [] for k in opts}
-for _ in range(int(sys.argv[3]) if len(sys.argv) > 3 else 10):   # 10 consecutive steps per SOAP = one full refresh cycle
+# 10 consecutive steps per SOAP = one full refresh cycle (f = 10)
+for _ in range(int(sys.argv[3]) if len(sys.argv) > 3 else 10):
     for k, op in opts.items():
         t0 = time.perf_counter()
         op.step()
         times[k].append(time.perf_counter() - t0)
 a = statistics.median(times["adamw"])
 for k, v in times.items():
-    print(f"{k:12s} median {statistics.median(v)*1e3:7.1f} ms mean {statistics.fmean(v)*1e3:7.1f} ms  mean/AdamW median {statistics.fmean(v)/a:6.2f}x")
+    print(f"{k:12s} median {statistics.median(v)*1e3:7.1f} ms mean {statistics.fmean(v)*1e3:7.1f} ms  "
+          f"mean/AdamW median {statistics.fmean(v)/a:6.2f}x")
 sb, sa = statistics.fmean(times["soap before"]), statistics.fmean(times["soap after"])
 print(f"after / before (means over a refresh cycle): {sa/sb:.3f}")

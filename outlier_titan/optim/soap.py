@@ -10,7 +10,8 @@ R_T = EMA(Gᵀ G) and eigenbases Q_L, Q_R. The order of operations is the offici
 * then the factors take the current G (lerp with 1-β_s); a tile due for refresh re-sorts its bases by
   diag(Qᵀ P Q) descending, permutes v̂ the same way, and takes one power-iteration step Q ← qr(P Q).Q;
   m̂ is rotated from the old to the new basis (only on refresh, which is equivalent to the official
-  every-step back-and-forth).
+  every-step back-and-forth). The due tiles of all parameters are refreshed in one batch per tile shape
+  (``refresh_tiles``); each tile's numbers depend on that tile alone.
 
 Differences by design: tiles instead of whole axes (``tile_size``; an axis longer than ``max_precond_dim``
 or a vocabulary axis has no factor), refreshes staggered over tiles (tile k refreshes when
@@ -216,7 +217,8 @@ class SOAP(TileAdamBase):
             # Only the due tiles of m̂ and v̂ are gathered, straight from the parameter-layout state.
             mv = [_region4(x, rseg, cseg) for x in (m2, v2)]
             sel = [x[ii, :, jj, :] for x in mv] + [x[ii, jj] if x is not None else None for x in (lf, rf, ql, qr)]
-            key = (rseg.size, cseg.size, lf is not None, rf is not None, sel[0].dtype, (lf if lf is not None else rf).dtype)
+            fdt = (lf if lf is not None else rf).dtype
+            key = (rseg.size, cseg.size, lf is not None, rf is not None, sel[0].dtype, fdt)
             due.setdefault(key, []).append((sel, mv, ql, qr, ii, jj))
 
     def _refresh_due(self, due: dict) -> None:
