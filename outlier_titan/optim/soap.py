@@ -10,7 +10,8 @@ R_T = EMA(Gᵀ G) and eigenbases Q_L, Q_R. The order of operations is the offici
 * then the factors take the current G (lerp with 1-β_s); a tile due for refresh re-sorts its bases by
   diag(Qᵀ P Q) descending, permutes v̂ the same way, and takes one power-iteration step Q ← qr(P Q).Q;
   m̂ is rotated from the old to the new basis (only on refresh, which is equivalent to the official
-  every-step back-and-forth).
+  every-step back-and-forth). The due tiles of all parameters are refreshed in one batch per tile shape
+  (``refresh_tiles``); each tile's numbers depend on that tile alone.
 
 Differences by design: tiles instead of whole axes (``tile_size``; an axis longer than ``max_precond_dim``
 or a vocabulary axis has no factor), refreshes staggered over tiles (tile k refreshes when
@@ -141,6 +142,7 @@ class SOAP(TileAdamBase):
             denom = torch._foreach_sqrt(vs)
             torch._foreach_add_(denom, [float(group["eps"]) for group, *_ in items])
             steps = torch._foreach_div(ms, denom)
+            due = {}
             for (group, p, plan, t, tiles), s in zip(items, steps):
                 st = self.state[p]
                 b1, b2 = group["betas"]
@@ -157,7 +159,8 @@ class SOAP(TileAdamBase):
                 if wd:
                     lp.add_(lp, alpha=-lr * wd)
                 if plan.rotated:
-                    self._update_preconditioner(st, plan, tiles, int(t), self._beta_s(group))
+                    self._update_preconditioner(st, plan, tiles, int(t), self._beta_s(group), due)
+            self._refresh_due(due)
 
     def _first_call(self, st: dict, plan: ParamPlan, g2: torch.Tensor, group: dict) -> None:
         """Factors from the first gradient and eigh bases; the parameter is not updated."""
@@ -191,7 +194,9 @@ class SOAP(TileAdamBase):
                     out[i] = one
         return out.reshape(factors.shape)
 
-    def _update_preconditioner(self, st: dict, plan: ParamPlan, tiles: dict, t: int, beta_s: float) -> None:
+    def _update_preconditioner(self, st: dict, plan: ParamPlan, tiles: dict, t: int, beta_s: float,
+                               due: dict) -> None:
+        """Factor EMA of every tile; the tiles due for a refresh are gathered into ``due`` (by tile shape)."""
         n1_tiles = plan.axes[1].n_tiles
         m2 = plan.view2d(local(st["exp_avg"]))
         v2 = plan.view2d(local(st["exp_avg_sq"]))
@@ -208,48 +213,75 @@ class SOAP(TileAdamBase):
             ii, jj = torch.nonzero((t + k) % self.frequency == 0, as_tuple=True)
             if ii.numel() == 0:
                 continue
-            self._refresh(m2, v2, rseg, cseg, ii, jj, lf, rf, ql, qr)
+            ii, jj = ii.to(m2.device), jj.to(m2.device)
+            # Only the due tiles of m̂ and v̂ are gathered, straight from the parameter-layout state.
+            mv = [_region4(x, rseg, cseg) for x in (m2, v2)]
+            sel = [x[ii, :, jj, :] for x in mv] + [x[ii, jj] if x is not None else None for x in (lf, rf, ql, qr)]
+            fdt = (lf if lf is not None else rf).dtype
+            key = (rseg.size, cseg.size, lf is not None, rf is not None, sel[0].dtype, fdt)
+            due.setdefault(key, []).append((sel, mv, ql, qr, ii, jj))
 
-    def _refresh(self, m2, v2, rseg, cseg, ii, jj, lf, rf, ql, qr) -> None:
-        """Sort + permute v̂, one power iteration + QR, rotate m̂ to the new basis (due tiles only)."""
-        dev = m2.device
-        ii, jj = ii.to(dev), jj.to(dev)
-        m4 = to_tiles(m2, rseg, cseg)
-        v4 = to_tiles(v2, rseg, cseg)
-        m_sel, v_sel = m4[ii, jj], v4[ii, jj]
-        ql_old = ql[ii, jj] if ql is not None else None
-        qr_old = qr[ii, jj] if qr is not None else None
-        m_orig = rotate_tiles(m_sel, ql_old, qr_old, transpose=True)
-        new = {}
-        for side, (factor, q_old) in enumerate(((lf, ql_old), (rf, qr_old))):
-            if factor is None:
-                continue
-            # Eigen-work in float64: in fp32 the directions of small eigenvalues are set by rounding noise,
-            # and Adam's per-coordinate normalisation turns that noise into full-size update differences.
-            p_sel = factor[ii, jj].to(torch.float64)
-            q64 = q_old.to(torch.float64)
-            est = torch.diagonal(q64.transpose(-1, -2) @ p_sel @ q64, dim1=-2, dim2=-1)
-            order = torch.argsort(est, dim=-1, descending=True)
-            q_sorted = torch.gather(q64, 2, order[:, None, :].expand_as(q64))
-            k, s0, s1 = v_sel.shape
-            if side == 0:
-                v_sel = torch.gather(v_sel, 1, order[:, :, None].expand(k, s0, s1))
-            else:
-                v_sel = torch.gather(v_sel, 2, order[:, None, :].expand(k, s0, s1))
-            q_new = torch.linalg.qr(p_sel @ q_sorted).Q
-            ok = torch.isfinite(p_sel).flatten(1).all(1) & torch.isfinite(q_new).flatten(1).all(1)
-            if not bool(ok.all()):
-                self.failed_refreshes += int((~ok).sum())
-                q_new = torch.where(ok[:, None, None], q_new, q_sorted)
-            new[side] = q_new.to(q_old.dtype)
-        if ql is not None:
-            ql[ii, jj] = new[0]
-        if qr is not None:
-            qr[ii, jj] = new[1]
-        m4[ii, jj] = rotate_tiles(m_orig, new.get(0), new.get(1), transpose=False)
-        v4[ii, jj] = v_sel
-        from_tiles(m2, m4, rseg, cseg)
-        from_tiles(v2, v4, rseg, cseg)
+    def _refresh_due(self, due: dict) -> None:
+        """Refreshes every due tile, batched over all tiles of one shape (across regions and parameters)."""
+        for jobs in due.values():
+            stacked = [torch.cat([sel[i] for sel, *_ in jobs]) if jobs[0][0][i] is not None else None
+                       for i in range(6)]
+            m_new, v_new, ql_new, qr_new, failed = refresh_tiles(*stacked)
+            self.failed_refreshes += failed
+            pos = 0
+            for sel, (m4, v4), ql, qr, ii, jj in jobs:
+                n = ii.numel()
+                m4[ii, :, jj, :] = m_new[pos:pos + n]
+                v4[ii, :, jj, :] = v_new[pos:pos + n]
+                if ql is not None:
+                    ql[ii, jj] = ql_new[pos:pos + n]
+                if qr is not None:
+                    qr[ii, jj] = qr_new[pos:pos + n]
+                pos += n
+
+
+def _region4(x2: torch.Tensor, rseg, cseg) -> torch.Tensor:
+    """The region (rseg x cseg) of a contiguous local 2-D tensor as an [a, s0, b, s1] view (no copy)."""
+    region = x2[rseg.start:rseg.start + rseg.count * rseg.size, cseg.start:cseg.start + cseg.count * cseg.size]
+    return region.view(rseg.count, rseg.size, cseg.count, cseg.size)
+
+
+def refresh_tiles(m, v, lf, rf, ql, qr) -> tuple:
+    """One eigenbasis refresh of k stacked tiles (m, v [k, s0, s1]; factors and bases [k, s, s], None for an
+    axis without a factor): sort each basis by the estimated eigenvalues diag(Qᵀ P Q), permute v̂ the same way,
+    one power-iteration step Q ← qr(P Q), and rotate m̂ from the old to the new basis.
+
+    Eigen-work runs in float64: in fp32 the directions of small eigenvalues are set by rounding noise, and
+    Adam's per-coordinate normalisation turns that noise into full-size update differences. P Q is computed
+    once: diag(Qᵀ P Q)_j = Σ_i Q_ij (P Q)_ij, and the sorted power step P Q_sorted is P Q with its columns
+    permuted. Every tile's result depends on that tile alone (batched products and QR of fixed shape).
+    Returns (m, v, ql, qr, failed): a tile whose factor or new basis is non-finite keeps its sorted old basis.
+    """
+    m_orig = rotate_tiles(m, ql, qr, transpose=True)
+    new, failed = {}, 0
+    for side, (factor, q_old) in enumerate(((lf, ql), (rf, qr))):
+        if factor is None:
+            continue
+        p64 = factor.to(torch.float64)
+        q64 = q_old.to(torch.float64)
+        pq = p64 @ q64
+        est = (q64 * pq).sum(dim=-2)
+        order = torch.argsort(est, dim=-1, descending=True, stable=True)
+        cols = order[:, None, :].expand_as(q64)
+        q_sorted = torch.gather(q64, 2, cols)
+        k, s0, s1 = v.shape
+        if side == 0:
+            v = torch.gather(v, 1, order[:, :, None].expand(k, s0, s1))
+        else:
+            v = torch.gather(v, 2, order[:, None, :].expand(k, s0, s1))
+        q_new = torch.linalg.qr(torch.gather(pq, 2, cols)).Q
+        ok = torch.isfinite(p64).flatten(1).all(1) & torch.isfinite(q_new).flatten(1).all(1)
+        if not bool(ok.all()):
+            failed += int((~ok).sum())
+            q_new = torch.where(ok[:, None, None], q_new, q_sorted)
+        new[side] = q_new.to(q_old.dtype)
+    m_new = rotate_tiles(m_orig, new.get(0), new.get(1), transpose=False)
+    return m_new, v, new.get(0), new.get(1), failed
 
 
 def _accumulate(lf, rf, g4: torch.Tensor, beta_s: float) -> None:
