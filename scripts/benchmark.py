@@ -5,6 +5,8 @@ a minimal plain-PyTorch loop, and OrthoAdam's whole step against AdamW's.
     python scripts/benchmark.py optim [--shapes gpt2_124m,debug] [--tile-sizes 256,64] [--reps 5] [--markdown FILE]
     python scripts/benchmark.py probe [--every 100] [--steps 40] [--probes 8] [--mode full]
     python scripts/benchmark.py step [--steps 20] [--optimizers adamw,orthoadam]
+    python scripts/benchmark.py soap-ab BEFORE_CHECKOUT [--steps 10]   # SOAP before/after in one process
+    python scripts/benchmark.py compile-math [--scale gpt2]            # eager vs compiled element-wise math
 
 ``step`` builds the debug-run trainer (world size 1, default batch) once per optimizer in this process, and a
 plain copy of its model (same weights, no parallel wrappers) stepped by a loop written here: forward, summed
@@ -338,6 +340,144 @@ def run_step(args, command: str) -> dict:
     return med
 
 
+def _one_gpt2_layer() -> list[tuple[str, tuple[int, int]]]:
+    dim = 768
+    return ([(f"layers.0.attention.{w}.weight", (dim, dim)) for w in ("wq", "wk", "wv", "wo")]
+            + [("layers.0.feed_forward.w1.weight", (4 * dim, dim)),
+               ("layers.0.feed_forward.w2.weight", (dim, 4 * dim))])
+
+
+def run_soap_ab(args, command: str) -> float:
+    """AdamW, another checkout's SOAP and this checkout's SOAP step one GPT-2-small layer's six matrices (108
+    tiles of 256) interleaved in one process; the other ``optim/soap.py`` runs on this checkout's tile engine."""
+    import importlib.util
+
+    from outlier_titan.optim import soap as this_soap
+    from outlier_titan.optim.tile_engine import EngineOptions
+
+    path = Path(args.before) / "outlier_titan" / "optim" / "soap.py"
+    if not path.is_file():
+        raise SystemExit(f"error: {path} does not exist; pass the root of a checkout (e.g. a git worktree)")
+    spec = importlib.util.spec_from_file_location("soap_before", str(path))
+    before = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(before)
+    shapes = _one_gpt2_layer()
+    names = [n for n, _ in shapes]
+
+    def params():
+        gen = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for _, s in shapes]
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+        return ps
+
+    o = EngineOptions(tile_size=256, shard_tile_size=256)
+    opts = {"adamw": torch.optim.AdamW(params(), lr=1e-4, betas=(0.9, 0.95), foreach=True),
+            "soap before": before.SOAP([{"params": params(), "names": names}], lr=1e-4, options=o),
+            "soap after": this_soap.SOAP([{"params": params(), "names": names}], lr=1e-4, options=o)}
+    for opt in opts.values():  # first basis (eigh) and warm-up, untimed
+        opt.step()
+        opt.step()
+    times: dict[str, list[float]] = {k: [] for k in opts}
+    for _ in tqdm(range(args.steps), desc="soap-ab", unit="step"):
+        for k, opt in opts.items():
+            t0 = time.perf_counter()
+            opt.step()
+            times[k].append(time.perf_counter() - t0)
+    print(f"{command}\ndate {datetime.date.today()}, {torch.get_num_threads()} thread(s), {args.steps} steps each "
+          "(means cover whole refresh cycles when steps is a multiple of f = 10)")
+    adamw = statistics.median(times["adamw"])
+    for k, v in times.items():
+        print(f"  {k:12s} median {statistics.median(v) * 1e3:8.1f} ms  mean {statistics.fmean(v) * 1e3:8.1f} ms  "
+              f"mean / AdamW median {statistics.fmean(v) / adamw:6.2f}x")
+    ratio = statistics.fmean(times["soap after"]) / statistics.fmean(times["soap before"])
+    print(f"after / before (means): {ratio:.3f}")
+    return ratio
+
+
+def run_compile_math(args, command: str) -> dict:
+    """Eager vs ``torch.compile`` of the step's element-wise math (SOAP's moments, sqrt(v) + eps and division;
+    OrthoAdam's foreach chain) on GPT-2 small's rotated matrices (or one layer's), and whether the compiled
+    kernel gives the same bits when its input is cut in two, as a shard boundary would cut it."""
+    dim = 768
+    shapes = ([(dim, dim)] * 48 + [(4 * dim, dim)] * 12 + [(dim, 4 * dim)] * 12 + [(1024, dim)]
+              if args.scale == "gpt2" else [s for _, s in _one_gpt2_layer()])
+    gen = torch.Generator().manual_seed(0)
+    ms, vs = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
+    gs = [torch.randn(s, generator=gen) for s in shapes]
+    soap_args, ortho_args = (0.9, 0.95, 1e-8), (0.9, 0.95, 1e-8, 0.3, -1.0)
+
+    def soap_eager(ms, vs, gs, b1, b2, eps):
+        for m, v, g in zip(ms, vs, gs):
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        d = torch._foreach_sqrt(vs)
+        torch._foreach_add_(d, eps)
+        return torch._foreach_div(ms, d)
+
+    def ortho_eager(ms, vs, gs, b1, b2, eps, c2, c1):
+        torch._foreach_lerp_(ms, gs, 1 - b1)
+        torch._foreach_mul_(vs, b2)
+        torch._foreach_addcmul_(vs, gs, gs, 1 - b2)
+        d = torch._foreach_sqrt(vs)
+        torch._foreach_div_(d, c2)
+        torch._foreach_add_(d, eps)
+        torch._foreach_mul_(d, c1)
+        return torch._foreach_div(ms, d)
+
+    def per_tensor(ms, vs, gs, b1, b2, eps, c2=1.0, c1=1.0):
+        out = []
+        for m, v, g in zip(ms, vs, gs):
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            out.append(m / ((v.sqrt() / c2 + eps) * c1))
+        return out
+
+    compile_s = {}
+    compiled = {}
+    for name, a in (("soap", soap_args), ("orthoadam", ortho_args)):
+        t0 = time.perf_counter()
+        compiled[name] = torch.compile(per_tensor, fullgraph=True)
+        compiled[name](ms, vs, gs, *a)
+        compile_s[name] = time.perf_counter() - t0
+    m1, v1 = [m.clone() for m in ms], [v.clone() for v in vs]
+    m2, v2 = [m.clone() for m in ms], [v.clone() for v in vs]
+    err = max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
+              for x, y in zip(soap_eager(m1, v1, gs, *soap_args), compiled["soap"](m2, v2, gs, *soap_args)))
+    fns = {"soap eager": lambda: soap_eager(ms, vs, gs, *soap_args),
+           "soap compiled": lambda: compiled["soap"](ms, vs, gs, *soap_args),
+           "orthoadam eager": lambda: ortho_eager(ms, vs, gs, *ortho_args),
+           "orthoadam compiled": lambda: compiled["orthoadam"](ms, vs, gs, *ortho_args)}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(args.reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    n = sum(m.numel() for m in ms)
+    print(f"{command}\ndate {datetime.date.today()}, {args.scale}: {n / 1e6:.1f}M elements, "
+          f"{torch.get_num_threads()} thread(s); compile time soap {compile_s['soap']:.1f} s, orthoadam "
+          f"{compile_s['orthoadam']:.1f} s; compiled vs eager max relative difference {err:.1e}")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k, v in med.items():
+        print(f"  {k:20s} {v * 1e3:8.1f} ms")
+
+    def moments(m, v, g, b1, b2, eps):
+        return torch.lerp(m, g, 1 - b1) / ((v * b2 + (1 - b2) * g * g).sqrt() + eps)
+
+    dyn = torch.compile(moments, dynamic=True)
+    size = 768 * 3072 + 37
+    m, v, g = (torch.randn(size, generator=gen).abs() * 1e-3 for _ in range(3))
+    whole = dyn(m, v, g, *soap_args)
+    for cut in (768 * 1536, 768 * 1536 + 5, 1000003, 13):
+        pieces = [dyn(m[s].clone(), v[s].clone(), g[s].clone(), *soap_args) for s in (slice(0, cut), slice(cut, size))]
+        differ = (~torch.eq(torch.cat(pieces), whole)).sum().item()
+        print(f"  cut at {cut}: {differ} elements differ from the whole call")
+    print(f"  compiled vs eager: {(~torch.eq(moments(m, v, g, *soap_args), whole)).sum().item()} of {size} "
+          "elements differ")
+    return med
+
+
 def main(argv=None) -> int:
     parser = cli.parser(__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -372,6 +512,17 @@ def main(argv=None) -> int:
     st.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     st.add_argument("--optimizers", default="adamw,orthoadam", help="comma list of trainer optimizer.name values")
     st.add_argument("--threads", type=int, default=1, help="torch threads")
+    ab = sub.add_parser("soap-ab", help="SOAP of another checkout vs this one, with AdamW, in one process",
+                        formatter_class=cli.HelpFormatter)
+    ab.add_argument("before", help="root of the other checkout (e.g. a git worktree of the base commit)")
+    ab.add_argument("--steps", type=int, default=10, help="timed steps per optimizer (interleaved)")
+    ab.add_argument("--threads", type=int, default=1, help="torch threads")
+    cm = sub.add_parser("compile-math", help="eager vs torch.compile of the optimizers' element-wise math",
+                        formatter_class=cli.HelpFormatter)
+    cm.add_argument("--scale", default="gpt2", choices=("gpt2", "layer"),
+                    help="GPT-2 small's rotated matrices, or one layer's")
+    cm.add_argument("--reps", type=int, default=7, help="interleaved timed calls")
+    cm.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args(argv)
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
@@ -381,6 +532,10 @@ def main(argv=None) -> int:
         run_probe(args, command)
     elif args.bench == "step":
         run_step(args, command)
+    elif args.bench == "soap-ab":
+        run_soap_ab(args, command)
+    elif args.bench == "compile-math":
+        run_compile_math(args, command)
     return 0
 
 
