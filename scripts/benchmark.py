@@ -106,11 +106,6 @@ def state_bytes(opt) -> int:
     return total
 
 
-def basis_bytes(opt) -> int:
-    return sum(b.numel() * b.element_size() for axes in getattr(opt, "_bases", {}).values()
-               for ax in axes if ax for b in ax.values())
-
-
 def bench_optim(label: str, params: dict, args) -> dict:
     n_params = sum(p.numel() for p in params.values())
     gen = torch.Generator().manual_seed(0)
@@ -134,7 +129,7 @@ def bench_optim(label: str, params: dict, args) -> dict:
             "ratio_median": {k: med[k] / med["adamw"] for k in med},
             "ratio_mean": {k: mean[k] / mean["adamw"] for k in mean},
             "bytes_per_param": {k: state_bytes(o) / n_params for k, o in opts.items()},
-            "basis_bytes_per_param": basis_bytes(opts["orthoadam"]) / n_params if "orthoadam" in opts else 0.0,
+            "basis_bytes_per_param": opts["orthoadam"].resident_basis_bytes() / n_params if "orthoadam" in opts else 0.0,
             "soap_steps_timed": args.reps * args.steps_per_rep, "opts": opts}
 
 

@@ -263,3 +263,16 @@ def test_factored_bases_equal_dense_bases_over_50_steps(basis, dtype, tol):
         assert not torch.equal(ref, x0)
         rel = ((fast - ref).norm() / (ref - x0).norm()).item()
         assert rel <= tol, (name, rel)
+
+
+def test_resident_basis_bytes_count_dense_and_factored_forms():
+    """One 256 x 256 matrix, one 256 tile per axis: dense bases are two 256 x 256 float32 matrices; the factored
+    Hadamard holds per axis two int64 gathers, two float32 sign vectors and the shared 16 x 16 factors."""
+    opts = EngineOptions(tile_size=256, shard_tile_size=256)
+    sizes = {}
+    for dense in (True, False):
+        p = torch.nn.Parameter(torch.randn(256, 256))
+        opt = OrthoAdam([{"params": [p], "names": ["layers.0.attention.wq.weight"]}], options=opts, dense=dense)
+        sizes[dense] = opt.resident_basis_bytes()
+    assert sizes[True] == 2 * 256 * 256 * 4
+    assert sizes[False] == 2 * (2 * 256 * 8 + 2 * 256 * 4 + 2 * 16 * 16 * 4)

@@ -156,6 +156,15 @@ class OrthoAdam(TileAdamBase):
             group["basis_spec"] = spec
         self._materialize()
 
+    def resident_basis_bytes(self) -> int:
+        """Bytes of the bases this rank holds: dense tile bases, or the factored form's gathers, signs and factors."""
+        tensors = [b for axes in self._bases.values() for ax in axes if ax for b in ax.values()]
+        for axes in self._kron.values():
+            for k in axes:
+                if k is not None:
+                    tensors += [f for _, factors in k.segments for f in factors] + list(k.gather or ())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def _axis_bases(self, p: torch.Tensor, plan: ParamPlan, axis: int) -> dict[int, torch.Tensor] | None:
         """{segment position: [count, s, s] bases of the segment's tiles}, or None for an unrotated axis."""
         ax = plan.axes[axis]
