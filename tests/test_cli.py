@@ -1,20 +1,14 @@
 """Command-line surface: every script's --help shows its description and defaults; the tokenizer/source check."""
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.test_evaluate import load_script
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("script, argv, expected", [

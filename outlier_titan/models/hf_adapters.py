@@ -132,6 +132,16 @@ def _check_shapes(family: str, got: dict[str, torch.Tensor], expected: dict[str,
                       f"architecture has parts outlier_titan does not model")
 
 
+def _checked_tensors(family: str, t: dict[str, torch.Tensor], a, expected: dict[str, tuple[int, ...]],
+                     ignore) -> dict[str, torch.Tensor]:
+    """A copy of the HF tensors, without a tied head saved explicitly (it is the embedding again), shapes checked."""
+    t = dict(t)
+    if a.tie_embeddings:
+        t.pop("lm_head.weight", None)
+    _check_shapes(family, t, expected, ignore)
+    return t
+
+
 class GPT2Adapter:
     """HF ``GPT2LMHeadModel`` <-> ``pre_ln`` GPT-2 style."""
 
@@ -212,10 +222,7 @@ class GPT2Adapter:
     @classmethod
     def from_hf(cls, t: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
         """HF tensors -> our state dict (checked against the shapes ``a`` implies)."""
-        t = dict(t)
-        if a.tie_embeddings:
-            t.pop("lm_head.weight", None)  # a tied head saved explicitly is the embedding again
-        _check_shapes("gpt2", t, cls.expected_hf_shapes(a), cls._IGNORE)
+        t = _checked_tensors("gpt2", t, a, cls.expected_hf_shapes(a), cls._IGNORE)
         out = {"tok_embeddings.weight": t["transformer.wte.weight"],
                "pos_embeddings.weight": t["transformer.wpe.weight"],
                "norm.weight": t["transformer.ln_f.weight"], "norm.bias": t["transformer.ln_f.bias"]}
@@ -335,10 +342,7 @@ class LlamaAdapter:
 
     @classmethod
     def from_hf(cls, t: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
-        t = dict(t)
-        if a.tie_embeddings:
-            t.pop("lm_head.weight", None)
-        _check_shapes("llama", t, cls.expected_hf_shapes(a), cls._IGNORE)
+        t = _checked_tensors("llama", t, a, cls.expected_hf_shapes(a), cls._IGNORE)
         out = {"tok_embeddings.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"]}
         for i in range(a.n_layers):
             out.update({ours: t[hf] for hf, ours in cls._names(i, a.bias)})
