@@ -62,6 +62,7 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
                 share = probe_tokens()[dp_rank * per:(dp_rank + 1) * per]
                 results[(dp_replicate, dp_shard, tp, flavor)] = OutlierProbe(model, OBSERVE, mesh).run(share)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # a rank that exits while a peer's gloo threads still talk to it can abort the peer
     finally:
         dist.destroy_process_group()
 
