@@ -6,7 +6,7 @@ a minimal plain-PyTorch loop, and OrthoAdam's whole step against AdamW's.
     python scripts/benchmark.py probe [--every 100] [--steps 40] [--probes 8] [--mode full]
     python scripts/benchmark.py step [--steps 20] [--optimizers adamw,orthoadam]
     python scripts/benchmark.py soap-ab BEFORE_CHECKOUT [--steps 10]   # SOAP before/after in one process
-    python scripts/benchmark.py compile-math [--scale gpt2]            # eager vs compiled element-wise math
+    python scripts/benchmark.py compile-math [--scale gpt2] [--step-pairs 12]   # eager vs compiled element-wise math
 
 ``step`` builds the debug-run trainer (world size 1, default batch) once per optimizer in this process, and a
 plain copy of its model (same weights, no parallel wrappers) stepped by a loop written here: forward, summed
@@ -17,8 +17,9 @@ optimizer, LR schedule) and plain steps on the same batch run interleaved; media
 interleaved in one run, and reports the throughput drop at ``observe.every = N``: probe time / (N x step time).
 
 For each shape set, AdamW (torch, foreach), OrthoAdam and SOAP step the *same* parameter tensors with the
-same gradients in one process; repetitions are interleaved (AdamW, OrthoAdam, SOAP, AdamW, ...) so that
-load from other processes on a shared machine hits all three alike, and ratios of medians are reported.
+same gradients in one process; repetitions are interleaved (AdamW, OrthoAdam, SOAP, then OrthoAdam, SOAP, AdamW,
+...: each rep starts one optimizer later) so that load from other processes on a shared machine hits all alike,
+and ratios of medians are reported.
 SOAP's time is amortised over its refresh period: with staggered refreshes every step refreshes about
 1/f of the tiles, and the reps together cover at least f consecutive steps. The first (warm-up) step of each
 optimizer, SOAP's eigh initialisation included, is not timed. Also reported: optimizer state bytes per
@@ -94,7 +95,16 @@ def make_optimizers(params: dict, args) -> dict:
             "orthoadam": lambda: OrthoAdam(groups(), lr=1e-4, betas=(0.9, 0.95), basis=args.basis, options=opts),
             "soap": lambda: SOAP(groups(), lr=1e-4, precondition_frequency=args.frequency,
                                  factor_dtype=args.soap_factor_dtype, options=opts)}
-    return {k: make[k]() for k in args.optimizers.split(",")}
+    out = {}
+    for k in args.optimizers.split(","):
+        base = k.removesuffix("+compile")
+        if base not in make or (k != base and base == "adamw"):
+            raise SystemExit(f"--optimizers: unknown {k!r}; use adamw, orthoadam, soap, orthoadam+compile, "
+                             "soap+compile")
+        out[k] = make[base]()
+        if k != base:
+            out[k].compile_math()  # what compile.enable does; compiled at the (untimed) warm-up step
+    return out
 
 
 def state_bytes(opt) -> int:
@@ -114,11 +124,15 @@ def bench_optim(label: str, params: dict, args) -> dict:
     opts = make_optimizers(params, args)
     for opt in opts.values():
         opt.step()  # warm-up; SOAP's first call initialises its bases
-    if "soap" in opts and opts["soap"].frequency > 1:
-        opts["soap"].step()  # then take SOAP into its update regime
+    for name, opt in opts.items():
+        if name.startswith("soap") and opt.frequency > 1:
+            opt.step()  # then take SOAP into its update regime
     times = {k: [] for k in opts}
-    for _ in range(args.reps):
-        for name, opt in opts.items():
+    names = list(opts)
+    for rep in range(args.reps):
+        # each rep starts at the next optimizer, so none always runs right after the same neighbour
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            opt = opts[name]
             t0 = time.perf_counter()
             for _ in range(args.steps_per_rep):
                 opt.step()
@@ -189,6 +203,15 @@ def markdown(results: list[dict], args, command: str) -> str:
         b = r["bytes_per_param"]
         lines.append(f"| {r['label']} | {r['tile']} | {b['adamw']:.1f} | {_get(b, 'orthoadam', '{:.1f}')} | "
                      f"{r['basis_bytes_per_param']:.2f} | {_get(b, 'soap', '{:.1f}')} |")
+    compiled = [(r, k) for r in results for k in r["median_s"] if k.endswith("+compile")]
+    if compiled:
+        lines += ["", "Element-wise math compiled (`compile.enable`), against the eager step of the same run:", "",
+                  "| shapes | tile | optimizer | step | / AdamW | / eager |", "|---|---|---|---|---|---|"]
+        for r, k in compiled:
+            base, t = k.removesuffix("+compile"), r["mean_s"] if k.startswith("soap") else r["median_s"]
+            eager = f"{t[k] / t[base]:.3f}x" if base in t else "-"
+            lines.append(f"| {r['label']} | {r['tile']} | {k} | {t[k] * 1e3:.1f} ms | {t[k] / t['adamw']:.2f}x | "
+                         f"{eager} |")
     shares = [r for r in results if "train" in r]
     if shares:
         lines += ["", "Optimizer step as a share of a whole training step (forward + backward + step):", "",
@@ -391,68 +414,41 @@ def run_soap_ab(args, command: str) -> float:
 
 
 def run_compile_math(args, command: str) -> dict:
-    """Eager vs ``torch.compile`` of the step's element-wise math (SOAP's moments, sqrt(v) + eps and division;
-    OrthoAdam's foreach chain) on GPT-2 small's rotated matrices (or one layer's), and whether the compiled
-    kernel gives the same bits when its input is cut in two, as a shard boundary would cut it."""
+    """Eager vs compiled (``compile.enable``) element-wise math of the tile optimizers: the shared
+    ``adam_directions`` alone on GPT-2 small's rotated matrices (or one layer's) with SOAP's and OrthoAdam's
+    coefficients; whether the compiled kernel gives the same bits when its input is cut as a shard boundary would
+    cut it; and whole OrthoAdam steps, eager and compiled stepped alternately (ABBA pairs)."""
+    from outlier_titan.optim.tile_engine import adam_directions, compiled_adam_directions
+
     dim = 768
     shapes = ([(dim, dim)] * 48 + [(4 * dim, dim)] * 12 + [(dim, 4 * dim)] * 12 + [(1024, dim)]
               if args.scale == "gpt2" else [s for _, s in _one_gpt2_layer()])
     gen = torch.Generator().manual_seed(0)
     ms, vs = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
     gs = [torch.randn(s, generator=gen) for s in shapes]
-    soap_args, ortho_args = (0.9, 0.95, 1e-8), (0.9, 0.95, 1e-8, 0.3, -1.0)
-
-    def soap_eager(ms, vs, gs, b1, b2, eps):
-        for m, v, g in zip(ms, vs, gs):
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        d = torch._foreach_sqrt(vs)
-        torch._foreach_add_(d, eps)
-        return torch._foreach_div(ms, d)
-
-    def ortho_eager(ms, vs, gs, b1, b2, eps, c2, c1):
-        torch._foreach_lerp_(ms, gs, 1 - b1)
-        torch._foreach_mul_(vs, b2)
-        torch._foreach_addcmul_(vs, gs, gs, 1 - b2)
-        d = torch._foreach_sqrt(vs)
-        torch._foreach_div_(d, c2)
-        torch._foreach_add_(d, eps)
-        torch._foreach_mul_(d, c1)
-        return torch._foreach_div(ms, d)
-
-    def per_tensor(ms, vs, gs, b1, b2, eps, c2=1.0, c1=1.0):
-        out = []
-        for m, v, g in zip(ms, vs, gs):
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            out.append(m / ((v.sqrt() / c2 + eps) * c1))
-        return out
-
-    compile_s = {}
-    compiled = {}
-    for name, a in (("soap", soap_args), ("orthoadam", ortho_args)):
-        t0 = time.perf_counter()
-        compiled[name] = torch.compile(per_tensor, fullgraph=True)
-        compiled[name](ms, vs, gs, *a)
-        compile_s[name] = time.perf_counter() - t0
+    rows = {"soap": [(0.1, 0.95, 0.05, 1.0, 1e-8, 1.0)] * len(shapes),
+            "orthoadam": [(0.1, 0.95, 0.05, 0.3, 1e-8, -1.0)] * len(shapes)}
+    compiled = compiled_adam_directions()
+    t0 = time.perf_counter()
+    for r in rows.values():
+        compiled(ms, vs, gs, r)
+    compile_s = time.perf_counter() - t0
     m1, v1 = [m.clone() for m in ms], [v.clone() for v in vs]
     m2, v2 = [m.clone() for m in ms], [v.clone() for v in vs]
     err = max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
-              for x, y in zip(soap_eager(m1, v1, gs, *soap_args), compiled["soap"](m2, v2, gs, *soap_args)))
-    fns = {"soap eager": lambda: soap_eager(ms, vs, gs, *soap_args),
-           "soap compiled": lambda: compiled["soap"](ms, vs, gs, *soap_args),
-           "orthoadam eager": lambda: ortho_eager(ms, vs, gs, *ortho_args),
-           "orthoadam compiled": lambda: compiled["orthoadam"](ms, vs, gs, *ortho_args)}
+              for x, y in zip(adam_directions(m1, v1, gs, rows["soap"]), compiled(m2, v2, gs, rows["soap"])))
+    fns = {f"{k} {mode}": (f, r) for k, r in rows.items() for mode, f in (("eager", adam_directions),
+                                                                         ("compiled", compiled))}
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(args.reps):
-        for k, f in fns.items():
+        for k, (f, r) in fns.items():
             t0 = time.perf_counter()
-            f()
+            f(ms, vs, gs, r)
             times[k].append(time.perf_counter() - t0)
     n = sum(m.numel() for m in ms)
     print(f"{command}\ndate {datetime.date.today()}, {args.scale}: {n / 1e6:.1f}M elements, "
-          f"{torch.get_num_threads()} thread(s); compile time soap {compile_s['soap']:.1f} s, orthoadam "
-          f"{compile_s['orthoadam']:.1f} s; compiled vs eager max relative difference {err:.1e}")
+          f"{torch.get_num_threads()} thread(s); compile time {compile_s:.1f} s; compiled vs eager max relative "
+          f"difference {err:.1e}")
     med = {k: statistics.median(v) for k, v in times.items()}
     for k, v in med.items():
         print(f"  {k:20s} {v * 1e3:8.1f} ms")
@@ -463,13 +459,46 @@ def run_compile_math(args, command: str) -> dict:
     dyn = torch.compile(moments, dynamic=True)
     size = 768 * 3072 + 37
     m, v, g = (torch.randn(size, generator=gen).abs() * 1e-3 for _ in range(3))
-    whole = dyn(m, v, g, *soap_args)
+    b = (0.9, 0.95, 1e-8)
+    whole = dyn(m, v, g, *b)
     for cut in (768 * 1536, 768 * 1536 + 5, 1000003, 13):
-        pieces = [dyn(m[s].clone(), v[s].clone(), g[s].clone(), *soap_args) for s in (slice(0, cut), slice(cut, size))]
+        pieces = [dyn(m[s].clone(), v[s].clone(), g[s].clone(), *b) for s in (slice(0, cut), slice(cut, size))]
         differ = (~torch.eq(torch.cat(pieces), whole)).sum().item()
         print(f"  cut at {cut}: {differ} elements differ from the whole call")
-    print(f"  compiled vs eager: {(~torch.eq(moments(m, v, g, *soap_args), whole)).sum().item()} of {size} "
+    print(f"  compiled vs eager: {(~torch.eq(moments(m, v, g, *b), whole)).sum().item()} of {size} "
           "elements differ")
+    if args.step_pairs:
+        med.update(_orthoadam_step_pairs(args))
+    return med
+
+
+def _orthoadam_step_pairs(args) -> dict:
+    """Whole OrthoAdam steps (hadamard, tile 256) eager and with ``compile_math()``, on the same parameters and
+    gradients, stepped alternately in ABBA order; medians and the median of the pairwise ratios."""
+    shapes = gpt2_124m_shapes() if args.scale == "gpt2" else _one_gpt2_layer()
+    params = {n: torch.nn.Parameter(torch.randn(s) * 0.02) for n, s in shapes}
+    gen = torch.Generator().manual_seed(0)
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    names = list(params)
+    opts = EngineOptions(tile_size=256, shard_tile_size=256)
+    make = lambda: OrthoAdam([{"params": [params[n] for n in names], "names": names, "weight_decay": 0.1}],  # noqa: E731
+                             lr=1e-4, options=opts)
+    eager, comp = make(), make()
+    comp.compile_math()
+    eager.step()
+    comp.step()  # compiles
+    t = {"eager": [], "compiled": []}
+    for i in range(args.step_pairs):
+        order = (("eager", eager), ("compiled", comp)) if i % 2 == 0 else (("compiled", comp), ("eager", eager))
+        for k, opt in order:
+            t0 = time.perf_counter()
+            opt.step()
+            t[k].append(time.perf_counter() - t0)
+    med = {f"orthoadam step {k}": statistics.median(v) for k, v in t.items()}
+    pair = statistics.median(c / e for c, e in zip(t["compiled"], t["eager"]))
+    print(f"  OrthoAdam step ({len(t['eager'])} ABBA pairs): eager {med['orthoadam step eager'] * 1e3:.1f} ms, "
+          f"compiled {med['orthoadam step compiled'] * 1e3:.1f} ms; compiled / eager, median of pairs {pair:.3f}x")
     return med
 
 
@@ -482,7 +511,8 @@ def main(argv=None) -> int:
     o.add_argument("--tile-sizes", default="256,64", help="comma list of optimizer.tile_size values")
     o.add_argument("--basis", default="hadamard", choices=("hadamard", "haar", "haar_kron"), help="OrthoAdam basis")
     o.add_argument("--optimizers", default="adamw,orthoadam,soap",
-                   help="comma list (adamw first: the ratios' reference) of adamw, orthoadam, soap")
+                   help="comma list (adamw first: the ratios' reference) of adamw, orthoadam, soap, "
+                        "orthoadam+compile, soap+compile (element-wise math compiled, as compile.enable does)")
     o.add_argument("--frequency", type=int, default=10, help="SOAP precondition_frequency")
     o.add_argument("--soap-factor-dtype", default="float64", choices=("float64", "float32"),
                    help="dtype of SOAP's factor EMAs")
@@ -518,6 +548,8 @@ def main(argv=None) -> int:
                     help="GPT-2 small's rotated matrices, or one layer's")
     cm.add_argument("--reps", type=int, default=7, help="interleaved timed calls")
     cm.add_argument("--threads", type=int, default=1, help="torch threads")
+    cm.add_argument("--step-pairs", type=int, default=12,
+                    help="ABBA pairs of whole OrthoAdam steps, eager and compiled (0: skip)")
     args = parser.parse_args(argv)
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)

@@ -182,7 +182,8 @@ class ActivationCheckpoint:
 
 @dataclass
 class Compile:
-    enable: bool = opt(False, "torch.compile each transformer block and the loss.")
+    enable: bool = opt(False, "torch.compile each transformer block, the loss and the element-wise math of "
+                                "orthoadam / soap.")
 
 
 @dataclass

@@ -221,19 +221,14 @@ class OrthoAdam(TileAdamBase):
             ms.append(plan.view2d(local(st["exp_avg"])))
             vs.append(plan.view2d(local(st["exp_avg_sq"])))
             items.append((group, p, plan, float(st["step"])))
-        b1 = [group["betas"][0] for group, *_ in items]
-        b2 = [group["betas"][1] for group, *_ in items]
-        torch._foreach_lerp_(ms, ghats, [1.0 - b for b in b1])
-        torch._foreach_mul_(vs, b2)
-        torch._foreach_addcmul_(vs, ghats, ghats, [1.0 - b for b in b2])
-        del ghats
-        denom = torch._foreach_sqrt(vs)
         # step = -lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
-        torch._foreach_div_(denom, [(1.0 - b ** t) ** 0.5 for b, (*_, t) in zip(b2, items)])
-        torch._foreach_add_(denom, [float(group["eps"]) for group, *_ in items])
-        torch._foreach_mul_(denom, [-(1.0 - b ** t) / float(group["lr"]) for b, (group, *_, t) in zip(b1, items)])
-        steps = torch._foreach_div(ms, denom)
-        del denom
+        rows = []
+        for group, *_, t in items:
+            b1, b2 = group["betas"]
+            rows.append((1.0 - b1, b2, 1.0 - b2, (1.0 - b2 ** t) ** 0.5, float(group["eps"]),
+                         -(1.0 - b1 ** t) / float(group["lr"])))
+        steps = self._directions(ms, vs, ghats, rows)
+        del ghats
         lps, us, decayed, factors = [], [], [], []
         for (group, p, plan, _), s in zip(items, steps):
             lp = plan.view2d(local(p))

@@ -135,13 +135,10 @@ class SOAP(TileAdamBase):
                 items.append((group, p, plan, float(st["step"]), tiles))
             if not items:
                 return
-            for i, (group, *_rest) in enumerate(items):
-                b1, b2 = group["betas"]
-                ms[i].lerp_(ghats[i], 1.0 - b1)
-                vs[i].mul_(b2).addcmul_(ghats[i], ghats[i], value=1.0 - b2)
-            denom = torch._foreach_sqrt(vs)
-            torch._foreach_add_(denom, [float(group["eps"]) for group, *_ in items])
-            steps = torch._foreach_div(ms, denom)
+            # SOAP folds the bias corrections into the update's step size below (c2 = c1 = 1 here)
+            rows = [(1.0 - b1, b2, 1.0 - b2, 1.0, float(group["eps"]), 1.0)
+                    for group, *_ in items for b1, b2 in [group["betas"]]]
+            steps = self._directions(ms, vs, ghats, rows)
             due = {}
             for (group, p, plan, t, tiles), s in zip(items, steps):
                 st = self.state[p]

@@ -503,6 +503,56 @@ def rotate_tiles(x4: torch.Tensor, q0: torch.Tensor | None, q1: torch.Tensor | N
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Adam's element-wise math, shared by OrthoAdam and SOAP
+
+
+def adam_directions(ms: list, vs: list, gs: list, rows: list[tuple]) -> list:
+    """Updates the moments in place (m ← lerp(m, g, 1-β1), v ← β2 v + (1-β2) g²) and returns the directions
+    m / ((√v / c2 + ε) · c1), as foreach ops over all tensors (the eager reference). ``rows``: per tensor
+    ``(1-β1, β2, 1-β2, c2, ε, c1)``; passes whose coefficients are all 1 are skipped (they would be exact)."""
+    col = lambda k: [r[k] for r in rows]  # noqa: E731
+    torch._foreach_lerp_(ms, gs, col(0))
+    torch._foreach_mul_(vs, col(1))
+    torch._foreach_addcmul_(vs, gs, gs, col(2))
+    denom = torch._foreach_sqrt(vs)
+    if any(c != 1.0 for c in col(3)):
+        torch._foreach_div_(denom, col(3))
+    torch._foreach_add_(denom, col(4))
+    if any(c != 1.0 for c in col(5)):
+        torch._foreach_mul_(denom, col(5))
+    return torch._foreach_div(ms, denom)
+
+
+def _adam_directions_fusable(ms: list, vs: list, gs: list, coef: torch.Tensor) -> list:
+    """``adam_directions`` written per tensor for ``torch.compile``, which fuses each tensor's update into one
+    pass; ``coef`` is the rows as an [n, 6] tensor, so a new step count or learning rate does not recompile."""
+    out = []
+    for i, (m, v, g) in enumerate(zip(ms, vs, gs)):
+        c = coef[i].to(m.dtype)
+        m.lerp_(g, c[0])
+        v.mul_(c[1]).add_(g * g * c[2])
+        out.append(m / ((v.sqrt() / c[3] + c[4]) * c[5]))
+    return out
+
+
+def compiled_adam_directions():
+    """``adam_directions`` compiled (fullgraph, static shapes): same signature, 4-5x faster on CPU (BENCHMARKS.md);
+    equal to the eager reference up to rounding, and element-wise, so a shard's numbers do not depend on where
+    the shard boundary falls."""
+    fused = torch.compile(_adam_directions_fusable, fullgraph=True, dynamic=False)
+
+    def directions(ms, vs, gs, rows):
+        if not ms:
+            return []
+        coef = torch.tensor(rows, dtype=torch.float64)
+        if ms[0].device.type != "cpu":  # a pinned, asynchronous copy: no host sync per step
+            coef = coef.pin_memory().to(ms[0].device, non_blocking=True)
+        return fused(ms, vs, gs, coef)
+
+    return directions
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The optimizer base
 
 
@@ -521,6 +571,7 @@ class TileAdamBase(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         super().__init__(params, defaults)
         self.options = options
         self._flag_group = flag_group
+        self._directions = adam_directions
         self.plans: dict[torch.Tensor, ParamPlan] = {}
         for group in self.param_groups:
             names = group.get("names")
@@ -539,6 +590,10 @@ class TileAdamBase(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def _apply(self, work: list) -> None:
         """Rotates, updates the moments and applies the update for a batch of same-shape tiles."""
+
+    def compile_math(self) -> None:
+        """Runs Adam's element-wise math compiled (``compile.enable``); the eager foreach form stays the reference."""
+        self._directions = compiled_adam_directions()
 
     # -- state ----------------------------------------------------------------------------------------
     def _materialize(self) -> None:
