@@ -123,6 +123,21 @@ def test_bad_arguments_are_one_line_user_errors():
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "--mfu" in proc.stderr
     proc = _run("--suite", "he2024", "--scale", "smoke", "--tokenizer", "x")
     assert proc.returncode == 2 and "--tokenizer applies" in proc.stderr
+    proc = _run("--suite", "franke2025", "--scale", "search", "--dry-run")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "franke2025 has no calibration search" in proc.stderr and "kaul2024" in proc.stderr
+
+
+def test_calibration_search_plans_the_levers_on_the_cpu_recipe():
+    search, cpu = load_sweep(suite_file("kaul2024", "search")), load_sweep(suite_file("kaul2024", "cpu"))
+    proc = _run("--suite", "kaul2024", "--scale", "search", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "6 points" in proc.stdout and "adam_rmsnorm_single_lr0.03" in proc.stdout
+    a, b = search.points[0].cfg, cpu.points[0].cfg
+    # the search varies levers of the cpu recipe, not its shape
+    assert (a.model.n_layers, a.model.dim, a.model.n_heads, a.training.seq_len, a.training.global_batch_size) == \
+        (b.model.n_layers, b.model.dim, b.model.n_heads, b.training.seq_len, b.training.global_batch_size)
+    assert {p.cfg.optimizer.lr for p in search.points} > {b.optimizer.lr}
 
 
 def test_tokens_to_reach_interpolates_between_evaluations_and_verdicts_follow_the_numbers():
