@@ -82,6 +82,26 @@ def debug_model():
     return model, vocab
 
 
+def set_grads(params) -> None:
+    """Seeded gradients (N(0, 1e-6)) on the parameters, in order: every optimizer under test sees the same ones."""
+    gen = torch.Generator().manual_seed(0)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+
+
+def seeded_params(shapes) -> dict:
+    """{name: parameter} of the given (name, shape) list, seeded N(0, 0.02) weights."""
+    gen = torch.Generator().manual_seed(1)
+    return {n: torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for n, s in shapes}
+
+
+def params_with_grads(shapes) -> dict:
+    """``seeded_params`` with ``set_grads``."""
+    params = seeded_params(shapes)
+    set_grads(params.values())
+    return params
+
+
 def make_optimizers(params: dict, args) -> dict:
     names = list(params)
     decay = [n for n in names if params[n].ndim == 2 and "embeddings" not in n]
@@ -118,9 +138,7 @@ def state_bytes(opt) -> int:
 
 def bench_optim(label: str, params: dict, args) -> dict:
     n_params = sum(p.numel() for p in params.values())
-    gen = torch.Generator().manual_seed(0)
-    for p in params.values():
-        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    set_grads(params.values())
     opts = make_optimizers(params, args)
     for opt in opts.values():
         opt.step()  # warm-up; SOAP's first call initialises its bases
@@ -234,7 +252,7 @@ def run_optim(args, command: str) -> list[dict]:
     for shape_set, tile in tqdm(jobs, desc="optim", unit="combination"):
         args.tile_size = tile
         if shape_set == "gpt2_124m":
-            params = {n: torch.nn.Parameter(torch.randn(s) * 0.02) for n, s in gpt2_124m_shapes()}
+            params = seeded_params(gpt2_124m_shapes())  # bench_optim sets the gradients
             r = bench_optim("GPT-2 small (130M class), dim 768", params, args)
         elif shape_set == "debug":
             model, vocab = debug_model()
@@ -383,11 +401,7 @@ def run_soap_ab(args, command: str) -> float:
     names = [n for n, _ in shapes]
 
     def params():
-        gen = torch.Generator().manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for _, s in shapes]
-        for p in ps:
-            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-        return ps
+        return list(params_with_grads(shapes).values())
 
     o = EngineOptions(tile_size=256, shard_tile_size=256)
     opts = {"adamw": torch.optim.AdamW(params(), lr=1e-4, betas=(0.9, 0.95), foreach=True),
@@ -453,20 +467,20 @@ def run_compile_math(args, command: str) -> dict:
     for k, v in med.items():
         print(f"  {k:20s} {v * 1e3:8.1f} ms")
 
-    def moments(m, v, g, b1, b2, eps):
-        return torch.lerp(m, g, 1 - b1) / ((v * b2 + (1 - b2) * g * g).sqrt() + eps)
-
-    dyn = torch.compile(moments, dynamic=True)
+    # The shipped kernel on one long tensor and on two pieces of it, cut where a shard boundary could fall: an
+    # element-wise kernel must give the same bits whatever the cut (each piece shape compiles once).
     size = 768 * 3072 + 37
-    m, v, g = (torch.randn(size, generator=gen).abs() * 1e-3 for _ in range(3))
-    b = (0.9, 0.95, 1e-8)
-    whole = dyn(m, v, g, *b)
-    for cut in (768 * 1536, 768 * 1536 + 5, 1000003, 13):
-        pieces = [dyn(m[s].clone(), v[s].clone(), g[s].clone(), *b) for s in (slice(0, cut), slice(cut, size))]
-        differ = (~torch.eq(torch.cat(pieces), whole)).sum().item()
-        print(f"  cut at {cut}: {differ} elements differ from the whole call")
-    print(f"  compiled vs eager: {(~torch.eq(moments(m, v, g, *b), whole)).sum().item()} of {size} "
-          "elements differ")
+    m, v, g = ([t] for t in (torch.randn(size, generator=gen).abs() * 1e-3 for _ in range(3)))
+    one = [rows["soap"][0]]
+    with torch._dynamo.config.patch(recompile_limit=32):
+        whole = compiled([m[0].clone()], [v[0].clone()], g, one)[0]
+        for cut in (768 * 1536, 768 * 1536 + 5, 1000003, 13):
+            pieces = [compiled([m[0][s].clone()], [v[0][s].clone()], [g[0][s]], one)[0]
+                      for s in (slice(0, cut), slice(cut, size))]
+            differ = (~torch.eq(torch.cat(pieces), whole)).sum().item()
+            print(f"  cut at {cut}: {differ} elements differ from the whole call")
+    eager = adam_directions([m[0].clone()], [v[0].clone()], g, one)[0]
+    print(f"  compiled vs eager: {(~torch.eq(eager, whole)).sum().item()} of {size} elements differ")
     if args.step_pairs:
         med.update(_orthoadam_step_pairs(args))
     return med
@@ -475,11 +489,8 @@ def run_compile_math(args, command: str) -> dict:
 def _orthoadam_step_pairs(args) -> dict:
     """Whole OrthoAdam steps (hadamard, tile 256) eager and with ``compile_math()``, on the same parameters and
     gradients, stepped alternately in ABBA order; medians and the median of the pairwise ratios."""
-    shapes = gpt2_124m_shapes() if args.scale == "gpt2" else _one_gpt2_layer()
-    params = {n: torch.nn.Parameter(torch.randn(s) * 0.02) for n, s in shapes}
-    gen = torch.Generator().manual_seed(0)
-    for p in params.values():
-        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    torch._dynamo.reset()  # a fresh compile cache, as a training process has (the cut check above filled it)
+    params = params_with_grads(gpt2_124m_shapes() if args.scale == "gpt2" else _one_gpt2_layer())
     names = list(params)
     opts = EngineOptions(tile_size=256, shard_tile_size=256)
     make = lambda: OrthoAdam([{"params": [params[n] for n in names], "names": names, "weight_decay": 0.1}],  # noqa: E731
