@@ -423,7 +423,7 @@ class Trainer:
         train_w = self.train_loader.num_windows
         line = f"data {self.train_loader.description}: train "
         if train_w is None:
-            line += f"streamed; this run reads {planned:,} tokens"
+            line += f"endless (streamed or generated); this run reads {planned:,} tokens"
         else:
             line += (f"{train_w * t:,} tokens; this run reads {planned:,} tokens = "
                      f"{planned / (train_w * t):.3g} epochs")

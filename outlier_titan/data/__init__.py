@@ -1,4 +1,5 @@
-"""Data: tokenizer (tiktoken), document sources, packing into a rank-independent token stream, stateful loader."""
+"""Data: tokenizer (tiktoken), document sources, the synthetic Bigram-Backcopy task, packing into a
+rank-independent token stream, stateful loader."""
 
 from outlier_titan.data.loader import TokenDataLoader, build_dataloader
 from outlier_titan.data.tokenizer import Tokenizer, build_tokenizer

@@ -24,6 +24,9 @@ starting together are safe. Windows are then read at random from a memory map.
 
 Hugging Face streaming sources are not cached: every rank reads and tokenizes the same stream and keeps only its
 own windows; resuming re-reads the stream up to the saved position (cost grows with the position).
+
+The synthetic source (``bigram_backcopy``, :mod:`outlier_titan.data.synthetic`) generates window ``g`` on demand
+from a seed and ``g``: endless, no cache, random access like a cached array.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from outlier_titan.data.pretokenized import is_pretokenized, open_split
 from outlier_titan.data.sources import FileCorpus, HFCorpus, resolve_source
+from outlier_titan.data.synthetic import BigramBackcopyWindows, is_synthetic
 from outlier_titan.data.tokenizer import Tokenizer
 from outlier_titan.errors import DataError
 
@@ -283,8 +287,8 @@ class StreamWindows:
 class PackedWindowDataset(IterableDataset):
     """Endless micro-batches ``(inputs, labels)`` of this DP rank; its own iterator, stateful (plain ints)."""
 
-    def __init__(self, windows: ArrayWindows | StreamWindows, *, seq_len: int, global_batch_size: int,
-                 micro_batch_size: int, dp_rank: int, dp_degree: int) -> None:
+    def __init__(self, windows: ArrayWindows | StreamWindows | BigramBackcopyWindows, *, seq_len: int,
+                 global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_degree: int) -> None:
         if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_degree={dp_degree})")
         if global_batch_size % dp_degree:
@@ -375,13 +379,16 @@ def build_dataloader(data_cfg, tokenizer: Tokenizer, *, seq_len: int, global_bat
     """The loader of ``split`` for DP rank ``dp_rank`` of ``dp_degree`` (see the module docstring).
 
     ``data_cfg`` is the ``data`` config section (source, tokenizer, text_field, val_fraction, cache_dir).
-    ``seed`` orders the embedded corpus's training files and the training windows; validation is never shuffled, so it is the same for
-    every seed.
+    ``seed`` orders the embedded corpus's training files and the training windows (draws the synthetic task's
+    training windows); validation is never shuffled, so it is the same for every seed.
     """
     if seq_len < 1:
         raise DataError(f"training.seq_len must be positive, got {seq_len}")
     layout = dict(seq_len=seq_len, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
                   dp_rank=dp_rank, dp_degree=dp_degree)
+    if is_synthetic(data_cfg.source):
+        windows = BigramBackcopyWindows(data_cfg.source, tokenizer, seq_len, split, seed)
+        return TokenDataLoader(PackedWindowDataset(windows, **layout), description=windows.task.describe())
     if is_pretokenized(data_cfg.source):
         tokens, description = open_split(data_cfg.source, split, tokenizer, data_cfg.val_fraction)
         windows = ArrayWindows(data_cfg.source, seq_len, description, tokens=tokens,

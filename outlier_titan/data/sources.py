@@ -9,6 +9,10 @@
   ``.parquet`` file (column ``text_field``), or a folder searched recursively for these, in sorted order.
 * ``"c4"`` / ``"fineweb"``: Hugging Face ``datasets`` streaming (optional extra). Only these touch the network.
 
+``"bigram_backcopy"`` (optionally ``"bigram_backcopy:key=value,..."``) is not a document source: it names the
+synthetic Bigram-Backcopy task, whose token windows :mod:`outlier_titan.data.synthetic` generates directly (the
+loader routes it there before reaching :func:`resolve_source`).
+
 Train/validation split, deterministic and independent of the number of ranks: a key is validation when
 ``stable_fraction(key) < val_fraction``.
 
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from outlier_titan.data.synthetic import is_synthetic
 from outlier_titan.errors import DataError
 
 SPLITS = ("train", "validation")
@@ -305,12 +310,15 @@ def resolve_source(source: str, split: str, *, text_field: str = "text", val_fra
     """The corpus named by ``data.source`` for ``split``; DataError for anything unusable.
 
     ``seed`` shuffles the embedded corpus's file order (None: sorted); other sources are read in order."""
+    if is_synthetic(source):
+        raise DataError(f"data.source: '{source}' is a synthetic task without documents (nothing to read or "
+                        "pretokenize); use it as data.source of a training run directly")
     if source == "embedded":
         return embedded_corpus(split, val_fraction, seed)
     if source in HF_DATASETS and not Path(source).exists():
         return hf_corpus(source, split, text_field, val_fraction)
     looks_like_path = any(c in source for c in "/\\.~") or Path(source).exists()
     if not looks_like_path:
-        raise DataError(f"data.source: unknown dataset '{source}'; use 'embedded', a path to "
+        raise DataError(f"data.source: unknown dataset '{source}'; use 'embedded', 'bigram_backcopy', a path to "
                         ".txt/.jsonl/.parquet data, or one of " + ", ".join(HF_DATASETS))
     return local_corpus(source, split, text_field, val_fraction)
