@@ -166,6 +166,17 @@ def local_sweep(tmp_path_factory):
     return tmp, path, run, time.time() - t0
 
 
+def test_trainers_share_the_cpus_unless_omp_num_threads_is_set():
+    from outlier_titan.study.runner import trainer_environment
+
+    cpus = len(os.sched_getaffinity(0))
+    env = trainer_environment(2, 1, {"PATH": "/bin"})
+    assert env["OMP_NUM_THREADS"] == str(max(1, cpus // 2)) and env["PATH"] == "/bin"
+    assert trainer_environment(1, 1, {})["OMP_NUM_THREADS"] == str(cpus)
+    assert trainer_environment(3, 64 * cpus, {})["OMP_NUM_THREADS"] == "1"
+    assert trainer_environment(2, 2, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
+
+
 @pytest.mark.slow
 def test_run_local_with_a_failing_point(local_sweep):
     tmp, _, run, _ = local_sweep
