@@ -3,6 +3,7 @@
 
     python scripts/reproduce.py --suite {kaul2024|he2024|franke2025} --scale {smoke|cpu|gpu} [--out DIR]
     python scripts/reproduce.py --suite kaul2024 --scale search --parallel 2  # the cpu scale's calibration search
+    python scripts/reproduce.py --suite kaul2024 --scale synthetic --parallel 2  # on the Bigram-Backcopy task
     python scripts/reproduce.py --suite kaul2024 --scale cpu --slurm [--slurm-args "--partition gpu ..."]
     python scripts/reproduce.py --suite kaul2024 --scale cpu --report-only    # after the Slurm array finished
     python scripts/reproduce.py --suite he2024 --scale gpu --dry-run          # the papers' runs on 1 and 8 GPUs

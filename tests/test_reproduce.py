@@ -140,6 +140,15 @@ def test_calibration_search_plans_the_levers_on_the_cpu_recipe():
     assert {p.cfg.optimizer.lr for p in search.points} > {b.optimizer.lr}
 
 
+def test_synthetic_scale_runs_the_cpu_grid_on_the_bigram_backcopy_task():
+    synthetic, cpu = load_sweep(suite_file("kaul2024", "synthetic")), load_sweep(suite_file("kaul2024", "cpu"))
+    assert [p.name for p in synthetic.points] == [p.name for p in cpu.points]
+    assert {p.cfg.data.source for p in synthetic.points} == {"bigram_backcopy"}
+    proc = _run("--suite", "franke2025", "--scale", "synthetic", "--dry-run")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "franke2025 has no synthetic-task suite" in proc.stderr and "kaul2024" in proc.stderr
+
+
 def test_tokens_to_reach_interpolates_between_evaluations_and_verdicts_follow_the_numbers():
     recs = {1: {"loss": 9.0}, 2: {"val_loss": 5.0}, 4: {"val_loss": 3.0}, 6: {"val_loss": 2.0}}
     assert tokens_to_reach(recs, 10, 4.0) == pytest.approx(30.0)   # halfway between steps 2 and 4
