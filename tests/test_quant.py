@@ -240,6 +240,40 @@ def test_every_scheme_runs_on_the_debug_model():
         assert torch.equal(m(tokens), ref)
 
 
+def test_w8a8_static_quantises_the_residual_stream_at_block_boundaries():
+    import dataclasses
+
+    from outlier_titan.config.job_config import Model
+    from outlier_titan.models.init import Initializer
+    from outlier_titan.models.registry import model_args
+
+    spec, args = model_args(Model(name="pre_ln", flavor="debug_llama"), vocab_size=512, seq_len=16)
+    m = spec.build(args)
+    m.init_weights(Initializer(0, "cpu"))
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    blocks = list(m.layers.values())
+    with torch.no_grad():
+        seen = []
+        with quantized(m, "w8a8_static", calib_batches=[tokens]) as info:
+            handles = [blocks[0].register_forward_pre_hook(lambda _m, a: seen.append(a[0]))]
+            handles += [b.register_forward_hook(lambda _m, _a, out: seen.append(out)) for b in blocks]
+            m(tokens)
+            for h in handles:
+                h.remove()
+        assert info["residual_points"] == len(blocks) + 1 and len(seen) == len(blocks) + 1
+        for x in seen:  # each point lies on its own uint8 grid
+            assert 16 < x.unique().numel() <= 256
+        # an outlier channel in the residual stream hurts only where the stream itself is quantised
+        m.tok_embeddings.weight[:, 3] *= 1000.0
+        ref = m(tokens)
+        without = dataclasses.replace(SCHEMES["w8a8_static"], quantize_residual=False)
+        err = {}
+        for scheme in (SCHEMES["w8a8_static"], without):
+            with quantized(m, scheme, calib_batches=[tokens]):
+                err[scheme.quantize_residual] = float((m(tokens) - ref).abs().mean())
+        assert err[True] > 2 * err[False], err
+
+
 def test_weight_cache_reuses_quantised_weights():
     m = Toy()
     cache = {}
