@@ -12,17 +12,13 @@ import pytest
 import torch
 
 from outlier_titan.config.job_config import Data
-from outlier_titan.data import build_dataloader, build_tokenizer
+from outlier_titan.data import build_dataloader
 from outlier_titan.data.loader import ArrayWindows, PackedWindowDataset, StreamWindows, token_cache
 from outlier_titan.data.sources import embedded_corpus, embedded_files, local_corpus, resolve_source
 from outlier_titan.errors import DataError
+from tests.loaders import step_rows
 
 SEQ = 16
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer("embedded")
 
 
 @pytest.fixture(scope="module")
@@ -54,22 +50,6 @@ def _loader(cfg, tok, *, g=8, m=2, rank=0, dp=1, split="train", seed=0):
                             dp_degree=dp, split=split, seed=seed)
 
 
-def _step_rows(loaders, steps: int) -> list[torch.Tensor]:
-    """Per step: the rows of all ranks (rank order, micro-batch order) concatenated, inputs + last label."""
-    its = [iter(dl) for dl in loaders]
-    out = []
-    for _ in range(steps):
-        rows = []
-        for dl, it in zip(loaders, its):
-            for _ in range(dl.dataset.micro_batches_per_step):
-                x, y = next(it)
-                assert x.shape == y.shape == (dl.dataset.micro_batch_size, SEQ) and x.dtype == torch.int64
-                assert torch.equal(x[:, 1:], y[:, :-1])
-                rows.append(torch.cat([x, y[:, -1:]], dim=1))
-        out.append(torch.cat(rows))
-    return out
-
-
 def _stream(corpus, tok) -> np.ndarray:
     ids = []
     for d in corpus.documents():
@@ -81,7 +61,7 @@ def _stream(corpus, tok) -> np.ndarray:
 def test_windows_are_the_packed_document_stream(corpus_dir, cache, tok):
     cfg = Data(source=str(corpus_dir), cache_dir=cache)
     stream = _stream(local_corpus(str(corpus_dir), "train"), tok)
-    (step0, step1) = _step_rows([_loader(cfg, tok)], 2)
+    (step0, step1) = step_rows([_loader(cfg, tok)], 2)
     rows = torch.cat([step0, step1]).numpy()
     windows = {tuple(stream[p * SEQ:p * SEQ + SEQ + 1]): p for p in range((len(stream) - 1) // SEQ)}
     picked = [windows[tuple(row)] for row in rows]  # every row is a window of the packed stream ...
@@ -92,18 +72,18 @@ def test_windows_are_the_packed_document_stream(corpus_dir, cache, tok):
 
 def test_training_window_order_depends_on_seed_only(corpus_dir, cache, tok):
     cfg = Data(source=str(corpus_dir), cache_dir=cache)
-    a = _step_rows([_loader(cfg, tok)], 2)
-    b = _step_rows([_loader(cfg, tok, seed=1)], 2)
+    a = step_rows([_loader(cfg, tok)], 2)
+    b = step_rows([_loader(cfg, tok, seed=1)], 2)
     assert not all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("split", ["train", "validation"])
 def test_windows_independent_of_dp_degree_and_micro_batch(corpus_dir, cache, tok, split):
     cfg = Data(source=str(corpus_dir), cache_dir=cache)
-    ref = _step_rows([_loader(cfg, tok, m=8, split=split)], 4)
+    ref = step_rows([_loader(cfg, tok, m=8, split=split)], 4)
     for dp in (1, 2, 4):
         for m in sorted({1, 8 // dp // 2 or 1, 8 // dp}):
-            got = _step_rows([_loader(cfg, tok, m=m, rank=r, dp=dp, split=split) for r in range(dp)], 4)
+            got = step_rows([_loader(cfg, tok, m=m, rank=r, dp=dp, split=split) for r in range(dp)], 4)
             for a, b in zip(ref, got):
                 assert torch.equal(a, b), (dp, m)
 
@@ -112,7 +92,7 @@ def test_wraps_around_and_keeps_going(corpus_dir, cache, tok):
     cfg = Data(source=str(corpus_dir), cache_dir=cache)
     dl = _loader(cfg, tok, g=4, m=4, split="validation")
     w = dl.num_windows
-    rows = torch.cat(_step_rows([dl], (2 * w) // 4 + 2))
+    rows = torch.cat(step_rows([dl], (2 * w) // 4 + 2))
     assert len(rows) > 2 * w
     assert torch.equal(rows[:w], rows[w:2 * w])
     assert dl.state_dict()["position"] == len(rows)
@@ -156,15 +136,15 @@ def test_resume_gives_exactly_the_next_batches(corpus_dir, cache, tok):
 @pytest.mark.parametrize("new_dp, new_m", [(1, 8), (4, 1), (2, 4)])
 def test_resume_on_a_different_dp_degree(corpus_dir, cache, tok, new_dp, new_m):
     cfg = Data(source=str(corpus_dir), cache_dir=cache)
-    ref = _step_rows([_loader(cfg, tok, m=8)], 5)
+    ref = step_rows([_loader(cfg, tok, m=8)], 5)
     old = [_loader(cfg, tok, m=2, rank=r, dp=2) for r in range(2)]
-    _step_rows(old, 3)
+    step_rows(old, 3)
     states = [dl.state_dict() for dl in old]
     assert states[0] == states[1] and states[0]["position"] == 24
     new = [_loader(cfg, tok, m=new_m, rank=r, dp=new_dp) for r in range(new_dp)]
     for dl in new:
         dl.load_state_dict(states[0])
-    assert all(torch.equal(a, b) for a, b in zip(_step_rows(new, 2), ref[3:]))
+    assert all(torch.equal(a, b) for a, b in zip(step_rows(new, 2), ref[3:]))
 
 
 def test_mid_step_state_needs_the_same_layout(corpus_dir, cache, tok):
@@ -183,7 +163,7 @@ def test_resume_with_other_seq_len_keeps_token_position(corpus_dir, cache, tok):
     resumed = _loader(cfg, tok, g=2, m=2)
     resumed.load_state_dict(dl.state_dict())
     assert resumed.state_dict()["position"] == 2
-    assert torch.equal(next(iter(resumed))[0], _step_rows([_loader(cfg, tok, g=4, m=4)], 1)[0][2:4, :-1])
+    assert torch.equal(next(iter(resumed))[0], step_rows([_loader(cfg, tok, g=4, m=4)], 1)[0][2:4, :-1])
 
 
 # ------------------------------------------------------------------------------------------------ sources
@@ -204,8 +184,8 @@ def test_embedded_split_by_file_deterministic_and_disjoint():
 
 def test_embedded_validation_loader_equal_across_dp(cache, tok):
     cfg = Data(source="embedded", cache_dir=cache)
-    ref = _step_rows([_loader(cfg, tok, g=4, m=4, split="validation")], 3)
-    got = _step_rows([_loader(cfg, tok, g=4, m=1, rank=r, dp=4, split="validation") for r in range(4)], 3)
+    ref = step_rows([_loader(cfg, tok, g=4, m=4, split="validation")], 3)
+    got = step_rows([_loader(cfg, tok, g=4, m=1, rank=r, dp=4, split="validation") for r in range(4)], 3)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert "<|endoftext|>" not in tok.decode(ref[0][0][:4].tolist())
 

@@ -9,19 +9,15 @@ import pytest
 import torch
 
 from outlier_titan.config.job_config import Data
-from outlier_titan.data import build_dataloader, build_tokenizer
+from outlier_titan.data import build_dataloader
 from outlier_titan.data.sources import resolve_source
 from outlier_titan.data.synthetic import BigramBackcopyWindows
 from outlier_titan.errors import DataError
 from tests.launch import TINY, assert_losses_close, train
+from tests.loaders import step_rows
 
 SEQ = 64
 STATES = 64
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer("embedded")
 
 
 @pytest.fixture(scope="module")
@@ -103,21 +99,6 @@ def test_splits_differ_but_share_the_chain(tok, windows):
     assert not np.allclose(BigramBackcopyWindows("bigram_backcopy:seed=1", tok, SEQ).transition, windows.transition)
 
 
-def _step_rows(loaders, steps: int) -> list[torch.Tensor]:
-    """Per step: the windows of all ranks (rank order, micro-batch order) concatenated."""
-    its = [iter(dl) for dl in loaders]
-    out = []
-    for _ in range(steps):
-        rows = []
-        for dl, it in zip(loaders, its):
-            for _ in range(dl.dataset.micro_batches_per_step):
-                x, y = next(it)
-                assert torch.equal(x[:, 1:], y[:, :-1])
-                rows.append(torch.cat([x, y[:, -1:]], dim=1))
-        out.append(torch.cat(rows))
-    return out
-
-
 @pytest.mark.parametrize("split", ["train", "validation"])
 def test_the_same_windows_at_any_dp_degree_and_on_resume(tok, windows, split):
     cfg = Data(source="bigram_backcopy")
@@ -126,18 +107,18 @@ def test_the_same_windows_at_any_dp_degree_and_on_resume(tok, windows, split):
         return [build_dataloader(cfg, tok, seq_len=SEQ, global_batch_size=8, micro_batch_size=m, dp_rank=r,
                                  dp_degree=dp, split=split) for r in range(dp)]
 
-    one = _step_rows(loaders(1, 2), 3)
+    one = step_rows(loaders(1, 2), 3)
     if split == "train":
         np.testing.assert_array_equal(torch.cat(one).numpy(), windows.rows(0, 24))
     for dp, m in ((2, 2), (4, 1), (4, 2)):
-        for a, b in zip(_step_rows(loaders(dp, m), 3), one):
+        for a, b in zip(step_rows(loaders(dp, m), 3), one):
             assert torch.equal(a, b)
     first = loaders(2, 2)
-    _step_rows(first, 1)
+    step_rows(first, 1)
     resumed = loaders(4, 1)
     for dl in resumed:
         dl.load_state_dict(first[0].state_dict())
-    assert all(torch.equal(a, b) for a, b in zip(_step_rows(resumed, 2), one[1:]))
+    assert all(torch.equal(a, b) for a, b in zip(step_rows(resumed, 2), one[1:]))
 
 
 @pytest.mark.parametrize("source, fragment", [
