@@ -153,7 +153,8 @@ def test_haar_matches_dense_kronecker_reference_with_ragged_tiles():
     torch.testing.assert_close(p.detach().flatten(), w, rtol=0, atol=1e-12)
 
 
-def test_vocab_axis_is_identity_by_default():
+def test_vocab_axis_identity_leaves_vocabulary_rows_unmixed():
+    assert EngineOptions().vocab_axis == "tile"  # the default rotates it like the other axes
     def rows_touched(vocab_axis):
         p = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.float64))
         w0 = p.detach().clone()

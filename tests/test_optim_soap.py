@@ -63,10 +63,10 @@ class DenseSOAP:
 HP = dict(lr=3e-3, b1=0.95, b2=0.95, eps=1e-8, wd=0.01, f=4, sb=0.9)
 
 
-def _soap(params, names, tile, stagger=True):
+def _soap(params, names, tile, stagger=True, **options):
     return SOAP([{"params": params, "names": names, "weight_decay": HP["wd"]}], lr=HP["lr"],
                 betas=(HP["b1"], HP["b2"]), eps=HP["eps"], precondition_frequency=HP["f"],
-                shampoo_beta=HP["sb"], stagger=stagger, options=EngineOptions(tile_size=tile))
+                shampoo_beta=HP["sb"], stagger=stagger, options=EngineOptions(tile_size=tile, **options))
 
 
 def _grads(shape, n, seed):
@@ -136,10 +136,11 @@ def test_ragged_tiles_equal_separate_single_tile_parameters():
         torch.testing.assert_close(p.detach()[r, c], part.detach(), rtol=0, atol=1e-12)
 
 
-def test_vocab_axis_has_no_factor_and_first_call_does_not_update():
+def test_vocab_axis_identity_has_no_factor_and_first_call_does_not_update():
     p = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.float64))
     w0 = p.detach().clone()
-    opt = _soap([p], ["tok_embeddings.weight"], tile=8)
+    assert "L" in _soap([p], ["tok_embeddings.weight"], tile=8).state[p]  # rotated by default, as published
+    opt = _soap([p], ["tok_embeddings.weight"], tile=8, vocab_axis="identity")
     assert set(opt.state[p]) >= {"R", "QR"} and "L" not in opt.state[p]
     p.grad = torch.randn_like(p)
     opt.step()

@@ -306,7 +306,8 @@ _GLOO = None
 BREAKING = {
     "optimizer.name": "the optimizer state differs",
     **{f"optimizer.{k}": "the optimizer state layout differs" for k in (
-        "tile_size", "tile_size_overrides", "tile_alignment", "basis", "max_precond_dim", "vocab_axis", "one_d",
+        "tile_size", "shard_tile_size", "max_shards", "tile_size_overrides", "tile_alignment", "basis",
+        "max_precond_dim", "vocab_axis", "one_d",
         "soap_factor_dtype", "no_decay")},
     "training.seq_len": "positions and data windows differ",
     "training.global_batch_size": "the data position and tokens per step differ",

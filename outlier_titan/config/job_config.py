@@ -88,8 +88,10 @@ class Optimizer:
     momentum: bool = opt(True, "SGD: use momentum beta1 (false = plain SGD).")
     no_decay: list = opt(["norm", "bias", "embedding"],
                          "Parameter classes without weight decay: any of norm, bias, embedding, gain.")
-    tile_size: int = opt(256, "orthoadam/soap: tile edge on each parameter's global grid along the residual "
-                              "(never sharded) axis, and the upper bound of the sharded axis' tile.")
+    tile_size: int = opt(0, "orthoadam/soap: 0 rotates every axis whole (one basis per axis up to max_precond_dim: "
+                            "the published methods; a sharded axis then needs tiles). N > 0: the shard-local tile "
+                            "variant, tiles of edge N on each parameter's global grid along the residual (never "
+                            "sharded) axis, and at most N along the sharded axis.")
     shard_tile_size: int = opt(0, "orthoadam/soap: tile edge along the axis FSDP/TP shard (0: automatic, the "
                                   "largest power of two <= tile_size such that max_shards tiles divide the axis).")
     max_shards: int = opt(8, "orthoadam/soap: automatic shard_tile_size stays aligned for up to this many "
@@ -99,18 +101,22 @@ class Optimizer:
     tile_alignment: str = opt("strict", "orthoadam/soap: a shard boundary off the tile grid fails at start-up "
                                         "(strict) or shrinks that tile and records it in the checkpoint (adapt).",
                               ("strict", "adapt"))
-    basis: str = opt("hadamard", "orthoadam: fixed tile bases: randomized Hadamard, Haar, Kronecker-factored Haar "
-                                 "(haar_kron: cheaper, structured mixing), or identity (= AdamW; tests and "
-                                 "ablations).", ("hadamard", "haar", "haar_kron", "identity"))
-    precondition_frequency: int = opt(10, "soap: eigenbasis refresh period (steps), staggered over tiles.")
+    basis: str = opt("haar", "orthoadam: fixed bases: Haar (a random orthogonal matrix, as Kaul et al. sample "
+                             "one per parameter), randomized Hadamard (cheaper; power-of-two axes or tiles), "
+                             "Kronecker-factored Haar (haar_kron: cheaper, structured mixing), or identity "
+                             "(= AdamW; tests and ablations).", ("haar", "hadamard", "haar_kron", "identity"))
+    precondition_frequency: int = opt(10, "soap: eigenbasis refresh period (steps); with tiles staggered over "
+                                                "them (whole axes: every parameter at t % f == 0, as published).")
     shampoo_beta: float = opt(-1.0, "soap: EMA factor of the Shampoo factors (< 0: beta2).")
     refresh_stagger: bool = opt(True, "soap: spread refreshes over tiles (tile k when (t + k) % f == 0).")
     soap_factor_dtype: str = opt("float64", "soap: dtype of the L/R factors (float64 keeps small-eigenvalue "
                                             "directions above rounding noise; moments and bases stay fp32).",
                                  ("float64", "float32"))
     max_precond_dim: int = opt(10000, "orthoadam/soap: an axis longer than this is not rotated.")
-    vocab_axis: str = opt("identity", "orthoadam/soap: the vocabulary axis of tok_embeddings/output: not "
-                                      "rotated (identity) or tiled like the others.", ("identity", "tile"))
+    vocab_axis: str = opt("tile", "orthoadam/soap: the vocabulary axis of tok_embeddings/output: rotated like "
+                                  "the other axes (tile: whole or in tiles, as tile_size says; the published "
+                                  "SOAP rotates it up to max_precond_dim) or not rotated (identity).",
+                          ("tile", "identity"))
     one_d: str = opt("adamw", "orthoadam/soap: 1-D parameters (gains, biases): unrotated Adam, or rotated in "
                               "tiles.", ("adamw", "rotate"))
 

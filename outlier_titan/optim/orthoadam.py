@@ -131,8 +131,8 @@ class OrthoAdam(TileAdamBase):
                  factored_min_tile: int = 64) -> None:
         name, fn = resolve_representation(basis)
         options = options or EngineOptions()
-        if name != "identity" and options.tile_size < 2:
-            raise UserError(f"optimizer.tile_size = {options.tile_size}: a rotation needs tiles of at least 2")
+        if name != "identity" and options.tile_size == 1:
+            raise UserError(f"optimizer.tile_size = 1: a rotation needs tiles of at least 2 (0: whole axes)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, options, pow2=(name in STRUCTURED), flag_group=flag_group)
         self.seed = int(seed)

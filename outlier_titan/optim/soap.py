@@ -2,7 +2,7 @@
 
 Each tile T of a 2-D weight (global grid, see ``tile_engine``) keeps its own factors L_T = EMA(G Gᵀ),
 R_T = EMA(Gᵀ G) and eigenbases Q_L, Q_R. The order of operations is the official implementation's
-(reference/anchor_optimizers.md §1.4-1.8):
+(nikhilvyas/SOAP, Vyas et al. 2024, arXiv 2409.11321):
 
 * first call for a parameter: factors ← (1-β_s)·G Gᵀ / Gᵀ G, bases ← eigh (descending), no update;
 * later calls: project Ĝ = Q_Lᵀ G Q_R with the *old* bases; m̂ (kept in the rotated basis) and v̂ Adam
@@ -13,9 +13,12 @@ R_T = EMA(Gᵀ G) and eigenbases Q_L, Q_R. The order of operations is the offici
   every-step back-and-forth). The due tiles of all parameters are refreshed in one batch per tile shape
   (``refresh_tiles``); each tile's numbers depend on that tile alone.
 
-Differences by design: tiles instead of whole axes (``tile_size``; an axis longer than ``max_precond_dim``
-or a vocabulary axis has no factor), refreshes staggered over tiles (tile k refreshes when
-(t + k) % f == 0; tile 0 follows the published schedule), state dtypes independent of the gradient dtype
+Faithful by default: with ``tile_size = 0`` (the default) every axis up to ``max_precond_dim`` is one tile, the
+vocabulary axis included, so each 2-D parameter has the published whole-axis factors and refreshes at
+t % f == 0; tests/test_soap_published.py trains a small model beside ``pytorch_optimizer.SOAP`` (a maintained
+port of the published code) and agrees to float64 rounding until the port's float32 QR enters. The shard-local
+variant (``tile_size > 0``) gives each tile its own factors and staggers refreshes over tiles ((t + k) % f == 0;
+tile 0 follows the published schedule). Other differences: state dtypes independent of the gradient dtype
 (below), eigh retried with a tiny diagonal shift, and a refresh that fails (non-finite) keeps the old basis.
 
 Precision: moments and bases are fp32; the L/R factors are float64 by default (``factor_dtype``) and all
@@ -23,7 +26,7 @@ eigen-work (eigh, diag(QᵀPQ), the power step and its QR) runs in float64. In f
 factor's small eigenvalues are set by rounding noise, and Adam's per-coordinate normalisation turns that
 noise into full-size update differences: on the debug model, FSDP 2 vs world size 1 (gradients equal up to
 reduction order) gave per-step losses 1.5e-3 apart with fp32 factors and eigh, 2e-7 apart with float64.
-Default tiles are square (``tile_engine.plan_param``): a non-square tile's larger factor is rank-deficient at
+The shard-local variant's default tiles are square (``tile_engine.plan_param``): a non-square tile's larger factor is rank-deficient at
 first, and its null-space eigenvectors are rounding noise too (3e-5 apart between layouts even in float64).
 """
 

@@ -24,9 +24,15 @@ seed; SOAP's are eigenbases of per-tile factors. This module holds what both sha
 * **Specs saved and verified on load**: the per-parameter tile spec is a small state tensor, the basis or
   SOAP spec a string in the param group; a mismatch raises ``CheckpointError``.
 
+**Whole axes or tiles.** ``tile_size = 0`` (the default) makes every axis one tile: one basis per parameter axis,
+as the papers run OrthoAdam (a fixed orthogonal matrix per parameter) and SOAP (Kronecker factors over whole axes up
+to ``max_precond_dim``). A whole axis that a layout shards cannot be rotated without communication, so it fails the
+alignment check with a message naming tiles that fit; ``tile_size > 0`` is the shard-local tile variant (no
+communication, the same numbers at every layout whose shards fall on tile edges).
+
 Axis rules: 1-D parameters run plain (unrotated) Adam unless ``one_d = "rotate"``; the vocabulary axis of
-``tok_embeddings.weight`` / ``output.weight`` is not rotated unless ``vocab_axis = "tile"``; an axis longer
-than ``max_precond_dim`` is not rotated.
+``tok_embeddings.weight`` / ``output.weight`` is rotated like the others unless ``vocab_axis = "identity"``; an
+axis longer than ``max_precond_dim`` is not rotated.
 """
 
 from __future__ import annotations
@@ -59,12 +65,12 @@ class TileAlignmentError(UserError):
 class EngineOptions:
     """Tile-engine settings shared by OrthoAdam and SOAP (see the ``optimizer`` config section)."""
 
-    tile_size: int = 256
+    tile_size: int = 0  # 0: whole axes (the published methods)
     shard_tile_size: int = 0
     max_shards: int = 8
     tile_size_overrides: tuple[str, ...] = ()
     tile_alignment: str = "strict"
-    vocab_axis: str = "identity"
+    vocab_axis: str = "tile"
     one_d: str = "adamw"
     max_precond_dim: int = 10000
     # The all-reduced non-finite flag (skip the step on every rank). Off when the caller already skips
@@ -72,8 +78,8 @@ class EngineOptions:
     nonfinite_guard: bool = True
 
     def __post_init__(self) -> None:
-        if self.tile_size < 1:
-            raise UserError(f"optimizer.tile_size = {self.tile_size} must be >= 1")
+        if self.tile_size < 0:
+            raise UserError(f"optimizer.tile_size = {self.tile_size} must be >= 0 (0: whole axes)")
         if self.shard_tile_size < 0:
             raise UserError(f"optimizer.shard_tile_size = {self.shard_tile_size} must be >= 0 (0: automatic)")
         if self.max_shards < 1:
@@ -86,13 +92,22 @@ class EngineOptions:
             raise UserError(f"optimizer.one_d = {self.one_d!r}; choose adamw or rotate")
         parse_overrides(self.tile_size_overrides)
 
-    def requested_tile(self, fqn: str, axis: int, extent: int | None = None, ndim: int = 2) -> int:
+    @property
+    def whole_axes(self) -> bool:
+        """Whether every axis is one tile (``tile_size = 0``, the published methods)."""
+        return self.tile_size == 0
+
+    def requested_tile(self, fqn: str, axis: int, extent: int, ndim: int = 2) -> int:
         """The configured tile edge of ``fqn`` along ``axis`` (global ``extent``): the last matching override
-        wins; otherwise ``tile_size`` on the residual axis and ``default_shard_tile`` on the axis FSDP / TP
-        shard. Depends on the FQN and the global shape only, never on the layout."""
-        size = self.tile_size
-        if extent is not None and axis == _sharded_axis(fqn, ndim):
+        wins; otherwise the whole axis (``tile_size = 0``), or ``tile_size`` on the residual axis and
+        ``default_shard_tile`` on the axis FSDP / TP shard. Depends on the FQN and the global shape only, never
+        on the layout."""
+        if self.whole_axes:
+            size = extent
+        elif axis == _sharded_axis(fqn, ndim):
             size = self.default_shard_tile(extent)
+        else:
+            size = self.tile_size
         for pattern, ax, value in parse_overrides(self.tile_size_overrides):
             if (ax is None or ax == axis) and fnmatch.fnmatchcase(fqn, pattern):
                 size = value
@@ -339,7 +354,7 @@ def plan_param(fqn: str, p: torch.Tensor, opts: EngineOptions, group_other_axis:
 
     grid = [rotate[a] or (group_other_axis and rotate[1 - a]) for a in (0, 1)]
     reqs = [opts.requested_tile(fqn, a, sizes[a], len(shape)) if grid[a] else 1 for a in (0, 1)]
-    if group_other_axis and all(grid) and not opts.has_override(fqn):
+    if group_other_axis and all(grid) and not opts.has_override(fqn) and not opts.whole_axes:
         # SOAP: square default tiles (the smaller requested edge on both axes). A t0 x t1 tile
         # with t0 < t1 gives R = Gᵀ G rank <= t0 on the first steps; the eigenvectors of its null space are
         # then set by rounding noise, which differs between layouts (gradient reduction order) and which
@@ -439,6 +454,11 @@ def _misaligned_message(fqn, shape, placements, axis, n, tile, bounds, pow2, bet
         what.append(f"Hadamard bases need power-of-two tiles (tile {tile}, ragged last tile {n % tile})")
     fix = (f"set optimizer.tile_size_overrides = ['{fqn}:{axis}={better}'] (or optimizer.tile_size = {better})"
            if better is not None else "no tile size >= 2 fits this layout: change the parallel layout or the basis")
+    if tile == n and bad:
+        what[0] = (f"the whole-axis rotation (optimizer.tile_size = 0, the published method) cannot stay local to "
+                   f"shards that cut the axis at {bad[:6]}")
+        fix = (f"on a sharded layout choose shard-local tiles, e.g. optimizer.tile_size = {better or 128} (a named "
+               f"variant: see the tile-size study in docs), or train on one rank")
     return (f"optimizer: {fqn} (global shape {list(shape)}, placements {placements or '(not sharded)'}) dim {axis}: "
             f"{'; '.join(what)}; {fix}, or raise optimizer.max_shards to this axis' shard count, or "
             f"optimizer.tile_alignment = 'adapt'")
