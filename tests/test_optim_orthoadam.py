@@ -277,3 +277,20 @@ def test_resident_basis_bytes_count_dense_and_factored_forms():
         sizes[dense] = opt.resident_basis_bytes()
     assert sizes[True] == 2 * 256 * 256 * 4
     assert sizes[False] == 2 * (2 * 256 * 8 + 2 * 256 * 4 + 2 * 16 * 16 * 4)
+
+
+@pytest.mark.parametrize("basis", ["hadamard", "haar_kron"])
+def test_structured_bases_fail_a_non_power_of_two_tile_in_the_meta_model_pre_check(basis):
+    from outlier_titan.config.job_config import Model as ModelConfig
+    from outlier_titan.config.job_config import Optimizer as OptimizerConfig
+    from outlier_titan.models.registry import build_meta_model
+    from outlier_titan.optim.builder import build_param_groups
+    from outlier_titan.optim.tile_engine import TileAlignmentError
+    from outlier_titan.optim.tile_optimizers import check_tile_plans
+
+    _, _, model = build_meta_model(ModelConfig(name="pre_ln", flavor="debug"), 256, 32)
+    cfg = OptimizerConfig(name="orthoadam", basis=basis, tile_size=12)
+    with pytest.raises(TileAlignmentError, match="power-of-two"):
+        check_tile_plans(build_param_groups(model, cfg), cfg)
+    check_tile_plans(build_param_groups(model, OptimizerConfig(name="orthoadam", basis="haar", tile_size=12)),
+                     OptimizerConfig(name="orthoadam", basis="haar", tile_size=12))

@@ -8,7 +8,7 @@ RMSProp in the rotated basis) and a larger eps (``optimizer.eps``).
 from __future__ import annotations
 
 from outlier_titan.config.job_config import Optimizer as OptimizerConfig
-from outlier_titan.optim.orthoadam import OrthoAdam
+from outlier_titan.optim.orthoadam import STRUCTURED, OrthoAdam
 from outlier_titan.optim.soap import SOAP
 from outlier_titan.optim.tile_engine import EngineOptions
 
@@ -42,7 +42,7 @@ def check_tile_plans(groups: list[dict], cfg: OptimizerConfig) -> None:
     from outlier_titan.optim.tile_engine import plan_param
 
     cls = SOAP if cfg.name == "soap" else OrthoAdam
-    pow2 = cfg.name == "orthoadam" and resolve_representation(cfg.basis)[0] == "hadamard"
+    pow2 = cfg.name == "orthoadam" and resolve_representation(cfg.basis)[0] in STRUCTURED
     options = engine_options(cfg)
     for group in groups:
         for p, fqn in zip(group["params"], group["names"]):
