@@ -10,6 +10,7 @@ from __future__ import annotations
 from outlier_titan.config.job_config import Optimizer as OptimizerConfig
 from outlier_titan.optim.orthoadam import STRUCTURED, OrthoAdam
 from outlier_titan.optim.soap import SOAP
+from outlier_titan.optim.bases import resolve_representation
 from outlier_titan.optim.tile_engine import EngineOptions
 
 
@@ -38,7 +39,6 @@ def check_tile_plans(groups: list[dict], cfg: OptimizerConfig) -> None:
     parameters' layout alone: run on the meta model, they fail in seconds instead of after materialising it."""
     if cfg.name not in ("orthoadam", "soap"):
         return
-    from outlier_titan.optim.bases import resolve_representation
     from outlier_titan.optim.tile_engine import plan_param
 
     cls = SOAP if cfg.name == "soap" else OrthoAdam
@@ -47,3 +47,24 @@ def check_tile_plans(groups: list[dict], cfg: OptimizerConfig) -> None:
     for group in groups:
         for p, fqn in zip(group["params"], group["names"]):
             plan_param(fqn, p, options, cls.group_other_axis, pow2, cls.stacked_state)
+
+
+def describe_tile_grid(model, cfg: OptimizerConfig) -> list[str]:
+    """One line per parameter class (layer indices folded to ``*``): the tile edge along each axis and whether it is
+    the whole axis, as the engine plans it for ``cfg`` on one rank. Reports state it for every OrthoAdam/SOAP run."""
+    import re
+
+    from outlier_titan.optim.builder import build_param_groups
+    from outlier_titan.optim.tile_engine import plan_param
+
+    cls = SOAP if cfg.name == "soap" else OrthoAdam
+    pow2 = cfg.name == "orthoadam" and resolve_representation(cfg.basis)[0] in STRUCTURED
+    options = engine_options(cfg)
+    seen: dict[str, str] = {}
+    for group in build_param_groups(model, cfg):
+        for p, fqn in zip(group["params"], group["names"]):
+            plan = plan_param(fqn, p, options, cls.group_other_axis, pow2, cls.stacked_state)
+            axes = [f"{a.tile} ({'whole' if a.tile == a.size else f'{a.n_tiles} tiles'})" if a.rotate else
+                    f"{a.size} unrotated" for a in plan.axes[:len(p.shape) or 1]]
+            seen.setdefault(re.sub(r"\.\d+\.", ".*.", fqn), f"{list(p.shape)}: " + " × ".join(axes))
+    return [f"`{k}` {v}" for k, v in seen.items()]

@@ -10,6 +10,7 @@ evaluates every finished point with ``scripts/evaluate.py`` where its report is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -21,8 +22,10 @@ from typing import Any, Callable
 
 from outlier_titan.errors import UserError
 from outlier_titan.observe.logger import read_metrics
+from outlier_titan.study import stats
 from outlier_titan.study.papers import SUITE_INFO, SuiteInfo
 from outlier_titan.study.plan import point_dir
+from outlier_titan.study.stats import Estimate, estimate
 
 REPO = Path(__file__).resolve().parents[2]
 SUITES = tuple(SUITE_INFO)
@@ -34,7 +37,8 @@ a suite has one: a small-scale testbed for the attention sink, which natural tex
 OPTIONAL_SCALES = {"search": "calibration search", "synthetic": "synthetic-task suite"}
 # scripts/evaluate.py settings per scale: validation tokens, sequences per pass, calibration batches and seeds
 EVAL_ARGS = {"smoke": dict(tokens=512, batch_size=4, calib_batches=1, calib_seeds=1),
-             "cpu": dict(tokens=65536, batch_size=8, calib_batches=4, calib_seeds=3),
+             # 16 calibration batches (16k tokens): at 4, a W8A8 point's three calibration seeds spread 77-225 PPL
+             "cpu": dict(tokens=65536, batch_size=8, calib_batches=16, calib_seeds=3),
              "gpu": dict(tokens=1_048_576, batch_size=16, calib_batches=4, calib_seeds=3)}
 EVAL_ARGS["search"] = EVAL_ARGS["synthetic"] = EVAL_ARGS["cpu"]  # judged like the cpu scale
 
@@ -123,17 +127,41 @@ def ours(suite: str, rows: list[dict[str, Any]], sweep_dir: Path, manifest: dict
         r["d_w8a8"] = r.get("ptq_delta_ppl_w8a8_static")
         r["tokens_per_step"] = e["tokens"] // e["steps"]
     if suite == "franke2025":
-        base = select(rows, {"model.name": "pre_ln"})
         for r in rows:
             r["speedup"] = r["step_time_ratio"] = r["tokens_to_target"] = None
-        if base and base.get("final_val_loss") is not None:
-            for r in rows:
+        for r in rows:
+            base = select(rows, {"model.name": "pre_ln", "seed": r.get("seed")})  # the same seed's GPT+
+            if base and base.get("final_val_loss") is not None:
                 recs = read_metrics(point_dir(sweep_dir, r["point"]) / "metrics.jsonl")
                 t = tokens_to_reach(recs, r["tokens_per_step"], base["final_val_loss"])
                 r["tokens_to_target"] = t
                 r["speedup"] = base["tokens"] / t if t else None
                 if r.get("tokens_per_s") and base.get("tokens_per_s"):
                     r["step_time_ratio"] = base["tokens_per_s"] / r["tokens_per_s"]
+
+
+def aggregate(rows: list[dict[str, Any]], axes: list[str]) -> list[dict[str, Any]]:
+    """One group per setting (the axes without ``seed``), in manifest order: its axis values, ``points`` and
+    ``seeds`` (lists, in seed order), and every numeric metric of its rows as an :class:`Estimate` over seeds."""
+    keys = [a for a in axes if a != "seed"]
+    groups: dict[tuple, dict[str, Any]] = {}
+    for r in sorted(rows, key=lambda r: (r.get("seed") is None, r.get("seed") or 0)):
+        g = groups.setdefault(tuple(repr(r.get(a)) for a in keys),
+                              {**{a: r.get(a) for a in keys}, "points": [], "seeds": [], "_rows": []})
+        g["points"].append(r["point"])
+        g["seeds"].append(r.get("seed"))
+        g["_rows"].append(r)
+    order = {r["point"]: i for i, r in enumerate(rows)}
+    out = []
+    for g in sorted(groups.values(), key=lambda g: min(order[p] for p in g["points"])):
+        members = g.pop("_rows")
+        metrics = {k for r in members for k, v in r.items() if _num(v) is not None and k not in keys
+                   and k not in ("seed", "point", "status")}
+        for k in sorted(metrics):
+            g[k] = estimate(_num(r.get(k)) for r in members)
+        g["point"] = g["points"][0].rsplit("_s", 1)[0] if len(g["points"]) > 1 else g["points"][0]
+        out.append(g)
+    return out
 
 
 def matches(row: dict[str, Any], sel: dict[str, Any]) -> bool:
@@ -150,9 +178,12 @@ def select(rows: list[dict[str, Any]], sel: dict[str, Any]) -> dict[str, Any] | 
 
 
 def fmt(v: Any) -> str:
-    """How every number appears in the report (the test parses the same format)."""
+    """How every number appears in the report (the test parses the same format): mean ± sd over seeds for an
+    :class:`Estimate`."""
     if v is None:
         return "—"
+    if isinstance(v, Estimate):
+        return v.text()
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
@@ -160,82 +191,90 @@ def fmt(v: Any) -> str:
 
 # ------------------------------------------------------------------------------------------------ verdicts
 
-Claim = tuple[str, bool | None, str]
+Claim = tuple[str, str, str]
+"""(the claim, its verdict (one of :data:`stats.VERDICTS`), the numbers and the test that decided it)."""
+
+PTQ_FLOOR = 0.01
+"""A baseline's quantisation damage counts as an effect when its Δppl interval lies above 1 % of its PPL; below
+that the remedy's claim cannot be tested at this scale (a ratio of two noises)."""
 
 
-def _need(*vals: Any) -> bool:
-    return all(v is not None for v in vals)
+def _get(group: dict[str, Any] | None, key: str) -> Estimate | None:
+    v = (group or {}).get(key)
+    return v if isinstance(v, Estimate) else None
 
 
-def claims_kaul(rows: list[dict[str, Any]]) -> list[Claim]:
-    base = select(rows, {"optimizer.name": "adam", "model.softmax": "softmax", "model.norm": "layernorm"})
-    s1 = select(rows, {"optimizer.name": "adam", "model.softmax": "softmax1", "model.norm": "layernorm"})
-    rem = select(rows, {"optimizer.name": "orthoadam", "model.softmax": "softmax1", "model.norm": "rmsnorm_single"})
+def _paired_relative(a: dict[str, Any], b: dict[str, Any], key: str) -> Estimate | None:
+    """(b − a) / a per seed that both groups ran (same seed: same initialisation and data order)."""
+    ea, eb = _get(a, key), _get(b, key)
+    if ea is None or eb is None or a["seeds"] != b["seeds"] or ea.n != len(a["seeds"]) or eb.n != len(b["seeds"]):
+        return None
+    return estimate((y - x) / x for x, y in zip(ea.values, eb.values))
+
+
+def _ptq_claim(text: str, base: dict | None, rem: dict | None, key: str, k: float) -> Claim:
+    """``Δppl(remedy) < Δppl(baseline) / k``, testable only where the baseline's Δppl shows an effect."""
+    b, r, ppl = _get(base, key), _get(rem, key), _get(base, "ppl")
+    if b is None or r is None or ppl is None:
+        return text, stats.MISSING, "an evaluation report is missing"
+    if not stats.effect_present(b, PTQ_FLOOR * ppl.mean):
+        return text, stats.UNTESTABLE, (f"the baseline's Δppl {b.text()} on PPL {ppl.text()} is not above "
+                                        f"{PTQ_FLOOR:.0%} of its PPL (t-interval over seeds): no quantisation "
+                                        f"damage for the remedy to remove")
+    return (text, *stats.ratio_verdict(b, r, k))
+
+
+def claims_kaul(groups: list[dict[str, Any]]) -> list[Claim]:
+    base = select(groups, {"optimizer.name": "adam", "model.softmax": "softmax", "model.norm": "layernorm"})
+    s1 = select(groups, {"optimizer.name": "adam", "model.softmax": "softmax1", "model.norm": "layernorm"})
+    rem = select(groups, {"optimizer.name": "orthoadam", "model.softmax": "softmax1", "model.norm": "rmsnorm_single"})
     out: list[Claim] = []
     text = "first-token argmax share: baseline (Adam, softmax, LayerNorm) ≥ 0.3 and softmax-1 ≤ 0.05"
-    if base and s1 and _need(base.get("first_share"), s1.get("first_share")):
-        ok = base["first_share"] >= 0.3 and s1["first_share"] <= 0.05
-        out.append((text, ok, f"baseline {fmt(base['first_share'])} ({base['point']}), softmax-1 "
-                              f"{fmt(s1['first_share'])} ({s1['point']})"))
+    sink = stats.threshold_verdict(_get(base, "first_share"), 0.3, above=True)
+    if sink[0] == stats.NOT_REPRODUCED:
+        out.append((text, stats.UNTESTABLE, f"the baseline forms no sink: {sink[1]}"))
     else:
-        out.append((text, None, "a point or its probe metric is missing"))
+        gone = stats.threshold_verdict(_get(s1, "first_share"), 0.05, above=False)
+        out.append((text, stats.combine(sink, gone), f"baseline {sink[1]}; softmax-1 {gone[1]}"))
     text = ("kurtosis (other tokens, final): baseline ≥ 5× that of OrthoAdam + softmax-1 + RMSNorm-S at a "
             "validation loss within 2%")
-    if base and rem and _need(base.get("kurtosis_rest"), rem.get("kurtosis_rest"), base.get("final_val_loss"),
-                                rem.get("final_val_loss")):
-        ratio = base["kurtosis_rest"] / rem["kurtosis_rest"] if rem["kurtosis_rest"] else math.inf
-        dloss = (rem["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"]
-        out.append((text, ratio >= 5 and abs(dloss) <= 0.02,
-                    f"baseline {fmt(base['kurtosis_rest'])}, remedy {fmt(rem['kurtosis_rest'])} (ratio "
-                    f"{fmt(ratio)}); val loss {fmt(base['final_val_loss'])} vs {fmt(rem['final_val_loss'])} "
-                    f"({dloss:+.2%})"))
+    kurt = stats.ratio_verdict(_get(base, "kurtosis_rest"), _get(rem, "kurtosis_rest"), 5)
+    dloss = _paired_relative(base, rem, "final_val_loss") if base and rem else None
+    if dloss is None:
+        loss = (stats.MISSING, "the val losses of both points at the same seeds are missing")
     else:
-        out.append((text, None, "a point or its metrics are missing"))
-    text = "int4 zero-point Δppl of the remedy below a third of the baseline's"
-    if base and rem and _need(base.get("d_int4"), rem.get("d_int4")):
-        out.append((text, rem["d_int4"] < base["d_int4"] / 3,
-                    f"baseline {fmt(base['d_int4'])}, remedy {fmt(rem['d_int4'])}"))
-    else:
-        out.append((text, None, "an evaluation report is missing"))
+        iv = stats.interval(dloss)
+        lo, hi = iv if iv else (dloss.mean, dloss.mean)
+        v = (stats.REPRODUCED if -0.02 <= lo and hi <= 0.02 else
+             stats.NOT_REPRODUCED if lo > 0.02 or hi < -0.02 else stats.INCONCLUSIVE)
+        loss = (v, f"val loss change {dloss.mean:+.2%} ± {(dloss.sd or 0):.2%}"
+                   + (f", 95% interval [{lo:+.2%}, {hi:+.2%}]" if iv else "") + " (paired by seed, t)")
+    out.append((text, stats.combine(kurt, loss), f"{kurt[1]}; {loss[1]}"))
+    out.append(_ptq_claim("int4 zero-point Δppl of the remedy below a third of the baseline's", base, rem,
+                          "d_int4", 3))
     return out
 
 
-def claims_he(rows: list[dict[str, Any]]) -> list[Claim]:
-    base = select(rows, {"model.block": "pre_ln", "optimizer.name": "adamw"})
-    rem = select(rows, {"model.block": "op", "optimizer.name": "soap"})
-    out: list[Claim] = []
+def claims_he(groups: list[dict[str, Any]]) -> list[Claim]:
+    base = select(groups, {"model.block": "pre_ln", "optimizer.name": "adamw"})
+    rem = select(groups, {"model.block": "op", "optimizer.name": "soap"})
     text = "peak neuron-RMS kurtosis: Pre-LN + AdamW ≥ 5× that of OP + SOAP"
-    if base and rem and _need(base.get("peak_kurtosis_neuron_rms"), rem.get("peak_kurtosis_neuron_rms")):
-        b, r = base["peak_kurtosis_neuron_rms"], rem["peak_kurtosis_neuron_rms"]
-        ratio = b / r if r else math.inf
-        out.append((text, ratio >= 5, f"Pre-LN + AdamW {fmt(b)} ({base['point']}), OP + SOAP {fmt(r)} "
-                                      f"({rem['point']}), ratio {fmt(ratio)}"))
-    else:
-        out.append((text, None, "a point or its probe metric is missing"))
-    text = "W8A8 Δppl of OP + SOAP below a third of Pre-LN + AdamW's"
-    if base and rem and _need(base.get("d_w8a8"), rem.get("d_w8a8")):
-        out.append((text, rem["d_w8a8"] < base["d_w8a8"] / 3,
-                    f"Pre-LN + AdamW {fmt(base['d_w8a8'])}, OP + SOAP {fmt(rem['d_w8a8'])}"))
-    else:
-        out.append((text, None, "an evaluation report is missing"))
+    out: list[Claim] = [(text, *stats.ratio_verdict(_get(base, "peak_kurtosis_neuron_rms"),
+                                                    _get(rem, "peak_kurtosis_neuron_rms"), 5))]
+    out.append(_ptq_claim("W8A8 Δppl of OP + SOAP below a third of Pre-LN + AdamW's", base, rem, "d_w8a8", 3))
     return out
 
 
-def claims_franke(rows: list[dict[str, Any]]) -> list[Claim]:
-    base = select(rows, {"model.name": "pre_ln"})
-    an = select(rows, {"model.name": "angpt"})
-    text = "anGPT reaches GPT+'s final validation loss with fewer tokens"
-    if not (base and an and _need(base.get("final_val_loss"))):
-        return [(text, None, "a point or its validation loss is missing")]
-    if an.get("tokens_to_target") is None:
-        return [(text, False, f"anGPT never reached GPT+'s final val loss {fmt(base['final_val_loss'])} "
-                              f"within {fmt(an['tokens'])} tokens")]
-    return [(text, an["tokens_to_target"] < base["tokens"],
-             f"GPT+ final val loss {fmt(base['final_val_loss'])} after {fmt(base['tokens'])} tokens; anGPT reaches "
-             f"it after {fmt(an['tokens_to_target'])} tokens (speed-up {fmt(an['speedup'])})")]
+def claims_franke(groups: list[dict[str, Any]]) -> list[Claim]:
+    an = select(groups, {"model.name": "angpt"})
+    text = "anGPT reaches GPT+'s final validation loss with fewer tokens (speed-up > 1, per seed against GPT+)"
+    sp = _get(an, "speedup")
+    if an is not None and sp is None:
+        return [(text, stats.NOT_REPRODUCED, "anGPT never reached GPT+'s final val loss at any seed")]
+    return [(text, *stats.threshold_verdict(sp, 1.0, above=True))]
 
 
-CLAIMS: dict[str, Callable[[list[dict[str, Any]]], list[Claim]]] = {
+CLAIMS: dict[str, Callable[[list[dict[str, Any]]], list[Claim]]] = {  # on the groups of :func:`aggregate`
     "kaul2024": claims_kaul, "he2024": claims_he, "franke2025": claims_franke}
 
 
@@ -339,15 +378,20 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
         for f in (src / "eval").glob("step-*.json") if (src / "eval").is_dir() else []:
             shutil.copy2(f, dst / f.name)
     figs = trajectory_figures(sweep_dir, rows, info, fig_dir)
+    groups = aggregate(rows, manifest["axes"])
+    seeds = sorted({r.get("seed") for r in rows if r.get("seed") is not None})
     done = sum(r["status"] == "done" for r in rows)
     lines = [f"# {info.title} — {scale} scale", "",
              f"Paper: {info.citation}. Suite file: `train_configs/suites/{suite}/{scale}.toml`; sweep folder: "
              f"`{sweep_dir}`. Written {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC by "
              f"`python scripts/reproduce.py --suite {suite} --scale {scale}`.", "",
-             f"{done} of {len(rows)} points finished. Our numbers come from `results.csv` (collected from the run "
-             f"folders; copies of each point's `metrics.jsonl` and evaluation report are under `runs/`). The "
-             f"papers' models are far larger and trained far longer than ours, so the comparison is of "
-             f"directions and ratios, not of values.", ""]
+             f"{done} of {len(rows)} points finished: {len(groups)} settings × training seeds {seeds}. Every number "
+             f"of ours is the mean ± sd over those seeds (per-seed values in the appendix); verdicts are decided "
+             f"from intervals over the seeds, and the test is named beside each. Our numbers come from "
+             f"`results.csv` (collected from the run folders; copies of each point's `metrics.jsonl` and "
+             f"evaluation report are under `runs/`). The papers' models are far larger and trained far longer than "
+             f"ours, so the comparison is of directions and ratios, not of values.", ""]
+    lines += tile_grid_section(manifest)
     if scale == "smoke":
         lines += ["**Smoke scale:** tiny models trained for a few steps; these runs test the pipeline and say "
                   "nothing about the phenomena.", ""]
@@ -364,17 +408,16 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     if eval_failed:
         lines += [f"Evaluation failed for: {', '.join(eval_failed)} (see `<point>/eval.log`).", ""]
     lines += ["## Verdicts", ""]
-    for text, ok, detail in CLAIMS[suite](rows):
-        verdict = "not determined" if ok is None else ("reproduced" if ok else "not reproduced")
-        lines.append(f"- **{verdict} at this scale** — {text}: {detail}.")
+    for text, verdict, detail in CLAIMS[suite](groups):
+        lines.append(f"- **{verdict}** — {text}: {detail}.")
     lines += ["", "## The paper's numbers beside ours", "",
-              "Each row: the paper's setting, then `paper / ours` per metric (ours: the point with those axes; "
-              "— where a side has no number).", ""]
+              "Each row: the paper's setting, then `paper / ours` per metric (ours: mean ± sd over seeds of the "
+              "setting with those axes; — where a side has no number).", ""]
     headers = list(info.metrics.values())
     lines.append("| paper row | source | our point | " + " | ".join(headers) + " |")
     lines.append("|---|---|---|" + "---|" * len(headers))
     for pr in info.rows:
-        r = select(rows, pr.select)
+        r = select(groups, pr.select)
         cells = [f"{fmt(pr.paper.get(m))} / {fmt(r.get(m) if r else None)}" for m in info.metrics]
         lines.append(f"| {pr.label} | {pr.source} | {r['point'] if r else 'not in this suite'} | "
                      + " | ".join(cells) + " |")
@@ -384,7 +427,8 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     for p in figs:
         lines.append(f"![{p.stem}](figures/{p.name})")
     lines += ["", "## Hidden-state magnitudes (evaluation probe, first token vs the rest)", ""]
-    compared = [r for r in rows if any(matches(r, pr.select) for pr in info.rows)] or rows
+    first_seed = [r for r in rows if r.get("seed") == (seeds[0] if seeds else None)] or rows
+    compared = [r for r in first_seed if any(matches(r, pr.select) for pr in info.rows)] or first_seed
     for r in compared:
         steps = manifest_steps(manifest, r["point"])
         src = point_dir(sweep_dir, r["point"]) / "eval" / f"step-{steps}.hidden_magnitude.png"
@@ -398,11 +442,49 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     lines += peaks_table(sweep_dir, rows, list(dict.fromkeys([info.kurtosis, "kurtosis_neuron_rms",
                                                               "first_token_argmax_share", "max_abs_rest",
                                                               *info.extra_probe])))
-    lines += ["", "## Appendix: every point (settings → final and peak metrics)", "",
+    lines += ["", "## Appendix: every point, every seed (settings → final and peak metrics)", "",
               (out / "results.md").read_text().rstrip(), ""]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def tile_grid_section(manifest: dict[str, Any]) -> list[str]:
+    """The report's statement of the tile grid each OrthoAdam / SOAP setting used, per parameter class, from the
+    points' own resolved configs (one rank)."""
+    from outlier_titan.config.manager import parse_args
+    from outlier_titan.models.registry import build_meta_model
+    from outlier_titan.optim.tile_optimizers import describe_tile_grid
+    from outlier_titan.study.spec import _vocab_size
+
+    out, seen = [], set()
+    for e in manifest["points"]:
+        with tempfile_toml(e["config"]) as path:
+            cfg = parse_args(["--config", path])
+        if cfg.optimizer.name not in ("orthoadam", "soap"):
+            continue
+        key = (cfg.optimizer.name, cfg.optimizer.tile_size, tuple(cfg.optimizer.tile_size_overrides),
+               cfg.optimizer.vocab_axis, cfg.optimizer.one_d, cfg.model.name, cfg.model.dim, cfg.model.n_layers)
+        if key in seen:
+            continue
+        seen.add(key)
+        _, _, model = build_meta_model(cfg.model, _vocab_size(cfg.data.tokenizer), cfg.training.seq_len)
+        kind = "whole axes (as published)" if cfg.optimizer.tile_size == 0 else \
+            f"shard-local tiles of {cfg.optimizer.tile_size} (a named variant)"
+        out += [f"**Tile grid, {cfg.optimizer.name}** ({kind}; first point {e['name']}): "
+                + "; ".join(describe_tile_grid(model, cfg.optimizer)) + ".", ""]
+    return out
+
+
+@contextlib.contextmanager
+def tempfile_toml(text: str):
+    """A resolved config's TOML text as a temporary file (the config loader reads files)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.toml"
+        path.write_text(text)
+        yield str(path)
 
 
 def manifest_steps(manifest: dict[str, Any], name: str) -> int:
