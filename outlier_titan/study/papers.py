@@ -29,6 +29,9 @@ class SuiteInfo:
     schemes: tuple[str, ...] = ()     # scripts/evaluate.py --schemes
     kurtosis: str = "kurtosis_rest"   # the probe metric of the kurtosis trajectory figure
     extra_probe: tuple[str, ...] = ()  # further probe metrics of the report's peaks table
+    # the tile-size study (``--scale tiles``): the baseline's and the remedy's axes, the claim's metric and factor,
+    # and the metrics plotted against the tile edge
+    tile_study: tuple[dict[str, object], dict[str, object], str, float, tuple[str, ...]] | None = None
 
 
 def _k(opt: str, sm: str, norm: str) -> dict[str, object]:
@@ -66,6 +69,9 @@ KAUL = SuiteInfo(
     ],
     schemes=("int8_fine", "int8_moderate", "int8_coarse", "int4_zeropoint"),
     kurtosis="kurtosis_rest",
+    tile_study=({"optimizer.name": "adam"}, {"optimizer.name": "orthoadam"}, "kurtosis_rest", 5.0,
+                ("peak_kurtosis_rest", "kurtosis_rest", "max_abs_rest", "first_share", "d_int8_coarse", "d_int4",
+                 "final_val_loss")),
 )
 
 
@@ -90,6 +96,8 @@ HE = SuiteInfo(
     ],
     schemes=("w8a8_static",),
     kurtosis="kurtosis_neuron_rms",
+    tile_study=({"optimizer.name": "adamw"}, {"optimizer.name": "soap"}, "peak_kurtosis_neuron_rms", 5.0,
+                ("peak_kurtosis_neuron_rms", "kurtosis_neuron_rms", "max_abs_rest", "d_w8a8", "final_val_loss")),
     extra_probe=("signal_prop_corr",),  # seed 002 §2: mean input correlation tracks the kurtosis
 )
 

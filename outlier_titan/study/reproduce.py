@@ -29,18 +29,20 @@ from outlier_titan.study.stats import Estimate, estimate
 
 REPO = Path(__file__).resolve().parents[2]
 SUITES = tuple(SUITE_INFO)
-SCALES = ("smoke", "cpu", "search", "synthetic", "gpu")
+SCALES = ("smoke", "cpu", "search", "synthetic", "tiles", "gpu")
 """``search``: the calibration search of the cpu scale (issue 10), where a suite has one: the seeds' levers on
 the cpu recipe, evaluated and reported like a suite, so the settings tried and the peaks they gave are kept.
 ``synthetic``: the suite's grid on the synthetic Bigram-Backcopy task (``data.source = "bigram_backcopy"``), where
-a suite has one: a small-scale testbed for the attention sink, which natural text at cpu scale does not make."""
-OPTIONAL_SCALES = {"search": "calibration search", "synthetic": "synthetic-task suite"}
+a suite has one: a small-scale testbed for the attention sink, which natural text at cpu scale does not make.
+``tiles``: the tile-size study, where a suite has one: the cpu recipe's baseline and remedy with the remedy's
+rotation over whole axes and in shard-local tiles of 128, 64 and 32, reported against the tile edge."""
+OPTIONAL_SCALES = {"search": "calibration search", "synthetic": "synthetic-task suite", "tiles": "tile-size study"}
 # scripts/evaluate.py settings per scale: validation tokens, sequences per pass, calibration batches and seeds
 EVAL_ARGS = {"smoke": dict(tokens=512, batch_size=4, calib_batches=1, calib_seeds=1),
              # 16 calibration batches (16k tokens): at 4, a W8A8 point's three calibration seeds spread 77-225 PPL
              "cpu": dict(tokens=65536, batch_size=8, calib_batches=16, calib_seeds=3),
              "gpu": dict(tokens=1_048_576, batch_size=16, calib_batches=4, calib_seeds=3)}
-EVAL_ARGS["search"] = EVAL_ARGS["synthetic"] = EVAL_ARGS["cpu"]  # judged like the cpu scale
+EVAL_ARGS["search"] = EVAL_ARGS["synthetic"] = EVAL_ARGS["tiles"] = EVAL_ARGS["cpu"]  # judged like the cpu scale
 
 
 def suite_file(suite: str, scale: str) -> Path:
@@ -280,14 +282,22 @@ CLAIMS: dict[str, Callable[[list[dict[str, Any]]], list[Claim]]] = {  # on the g
 
 # ------------------------------------------------------------------------------------------------ figures
 
-def trajectory_figures(sweep_dir: Path, rows: list[dict[str, Any]], info: SuiteInfo, fig_dir: Path) -> list[Path]:
-    """Kurtosis per variant vs step, first-token argmax share vs step, loss vs tokens (one line per point)."""
+def trajectory_figures(sweep_dir: Path, rows: list[dict[str, Any]], info: SuiteInfo, fig_dir: Path,
+                       axes: list[str]) -> list[Path]:
+    """Kurtosis per setting vs step, first-token argmax share vs step, loss vs tokens: per setting the mean over
+    its seeds as a line and the band between the seeds' minimum and maximum."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
-    series = {r["point"]: (read_metrics(point_dir(sweep_dir, r["point"]) / "metrics.jsonl"), r["tokens_per_step"])
-              for r in rows if (point_dir(sweep_dir, r["point"]) / "metrics.jsonl").is_file()}
+    settings: dict[str, list[tuple[dict, int]]] = {}
+    for g in aggregate(rows, axes):
+        for name in g["points"]:
+            path = point_dir(sweep_dir, name) / "metrics.jsonl"
+            tps = next(r["tokens_per_step"] for r in rows if r["point"] == name)
+            if path.is_file():
+                settings.setdefault(g["point"], []).append((read_metrics(path), tps))
     panels = [(f"outliers/{info.kurtosis}", "step", info.kurtosis.replace("_", " "), "kurtosis.png", True),
               ("outliers/first_token_argmax_share", "step", "first-token argmax share", "first_token.png", False),
               ("loss", "tokens", "loss (solid: train, dashed: validation)", "loss.png", False)]
@@ -295,17 +305,22 @@ def trajectory_figures(sweep_dir: Path, rows: list[dict[str, Any]], info: SuiteI
     fig_dir.mkdir(parents=True, exist_ok=True)
     for key, xlabel, ylabel, fname, logy in panels:
         fig, ax = plt.subplots(figsize=(7, 4.2))
-        for n, (name, (recs, tps)) in enumerate(series.items()):
+        for n, (name, runs) in enumerate(settings.items()):
             colour = f"C{n % 10}"
             keys = [key, "val_loss"] if key == "loss" else [key]
             for k, style in zip(keys, ("-", "--")):
-                pts = [(s * (tps if xlabel == "tokens" else 1), _num(recs[s].get(k))) for s in sorted(recs)]
-                pts = [(x, y) for x, y in pts if y is not None]
-                if pts:
-                    ax.plot(*zip(*pts), style, color=colour, marker="." if len(pts) < 30 else None,
-                            label=name if style == "-" else None)
+                per_seed = [{s: v for s in recs if (v := _num(recs[s].get(k))) is not None} for recs, _ in runs]
+                steps = sorted(set.intersection(*(set(d) for d in per_seed))) if per_seed else []
+                if not steps:
+                    continue
+                vals = np.array([[d[s] for s in steps] for d in per_seed])
+                x = np.array(steps, dtype=float) * (runs[0][1] if xlabel == "tokens" else 1)
+                ax.plot(x, vals.mean(0), style, color=colour, marker="." if len(steps) < 30 else None,
+                        label=f"{name} ({len(runs)} seeds)" if style == "-" else None)
+                if len(runs) > 1:
+                    ax.fill_between(x, vals.min(0), vals.max(0), color=colour, alpha=0.15, linewidth=0)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(ylabel + " — mean over seeds, band: min to max")
         if logy and any(ax.get_lines()):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
@@ -377,7 +392,7 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
                 shutil.copy2(src / f, dst / f)
         for f in (src / "eval").glob("step-*.json") if (src / "eval").is_dir() else []:
             shutil.copy2(f, dst / f.name)
-    figs = trajectory_figures(sweep_dir, rows, info, fig_dir)
+    figs = trajectory_figures(sweep_dir, rows, info, fig_dir, manifest["axes"])
     groups = aggregate(rows, manifest["axes"])
     seeds = sorted({r.get("seed") for r in rows if r.get("seed") is not None})
     done = sum(r["status"] == "done" for r in rows)
@@ -405,6 +420,8 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
                   "trigger token needs attention and every window starts with BOS, not on natural text; what they "
                   "show is the mechanism at small scale, beside (not instead of) the cpu scale's natural-text runs.",
                   ""]
+    if scale == "tiles" and info.tile_study:
+        lines += tile_study_section(groups, info, fig_dir)
     if eval_failed:
         lines += [f"Evaluation failed for: {', '.join(eval_failed)} (see `<point>/eval.log`).", ""]
     lines += ["## Verdicts", ""]
@@ -422,7 +439,9 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
         lines.append(f"| {pr.label} | {pr.source} | {r['point'] if r else 'not in this suite'} | "
                      + " | ".join(cells) + " |")
     lines += ["", "Ours: PPL is `scripts/evaluate.py`'s full-precision perplexity; probe metrics are the last "
-              "probe step of training (mean over blocks); Δppl are `scripts/evaluate.py`'s schemes.", "",
+              "probe step of training (mean over blocks); Δppl are `scripts/evaluate.py`'s schemes.", ""]
+    lines += ptq_table(groups, info)
+    lines += ["",
               "## Trajectories", ""]
     for p in figs:
         lines.append(f"![{p.stem}](figures/{p.name})")
@@ -447,6 +466,72 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def tile_study_section(groups: list[dict[str, Any]], info: SuiteInfo, fig_dir: Path) -> list[str]:
+    """The tile-size study: per tile edge of the remedy, the verdict of the suite's main claim against the baseline,
+    a table of the study's metrics (mean ± sd over seeds) and ``figures/tile_study.png`` (metric vs tile edge, error
+    bars one sd, the baseline as a band)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base_sel, rem_sel, claim_metric, k, metrics = info.tile_study
+    base = select(groups, base_sel)
+    remedies = sorted((g for g in groups if matches(g, rem_sel)),
+                      key=lambda g: -(g["optimizer.tile_size"] or 10 ** 9))  # whole axes first, then shrinking
+    label = lambda g: "whole" if not g["optimizer.tile_size"] else str(g["optimizer.tile_size"])  # noqa: E731
+    lines = ["## Tile-size study", "",
+             f"The remedy ({', '.join(f'{a}={v}' for a, v in rem_sel.items())}) with its rotation over whole axes "
+             f"(the published method) and in shard-local tiles; the baseline is {base['point'] if base else '—'}. "
+             f"Verdict per tile edge: the claim '{claim_metric} of the baseline ≥ {k:g}× the remedy's'.", ""]
+    for g in remedies:
+        v, d = stats.ratio_verdict(_get(base, claim_metric), _get(g, claim_metric), k)
+        lines.append(f"- tile {label(g)}: **{v}** — {d}.")
+    lines += ["", "| tile edge | " + " | ".join(metrics) + " |", "|---|" + "---|" * len(metrics)]
+    for g in ([base] if base else []) + remedies:
+        name = "baseline" if g is base else label(g)
+        lines.append(f"| {name} | " + " | ".join(fmt(g.get(m)) for m in metrics) + " |")
+    fig, axs = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.2))
+    xs = list(range(len(remedies)))
+    for ax, m in zip(axs, metrics):
+        ests = [_get(g, m) for g in remedies]
+        pts = [(x, e) for x, e in zip(xs, ests) if e is not None]
+        if pts:
+            ax.errorbar([x for x, _ in pts], [e.mean for _, e in pts], yerr=[e.sd or 0 for _, e in pts],
+                        marker="o", capsize=3, label="remedy")
+        b = _get(base, m)
+        if b is not None:
+            ax.axhspan(b.mean - (b.sd or 0), b.mean + (b.sd or 0), color="C3", alpha=0.2)
+            ax.axhline(b.mean, color="C3", lw=1, label="baseline")
+        ax.set_xticks(xs, [label(g) for g in remedies])
+        ax.set_xlabel("tile edge")
+        ax.set_title(m, fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axs:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+            break
+    fig.tight_layout()
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(fig_dir / "tile_study.png", dpi=110)
+    plt.close(fig)
+    return lines + ["", "![tile study](figures/tile_study.png)", ""]
+
+
+def ptq_table(groups: list[dict[str, Any]], info: SuiteInfo) -> list[str]:
+    """Markdown: per setting and scheme, Δppl as mean ± sd over training seeds, and the calibration spread (the
+    mean over training seeds of the PPL's sd over calibration seeds) where the scheme is calibrated."""
+    head = ["## Quantisation: Δppl over training seeds (calibration spread)", "",
+            "| setting | PPL | " + " | ".join(info.schemes) + " |", "|---|---|" + "---|" * len(info.schemes)]
+    body = []
+    for g in groups:
+        cells = []
+        for scheme in info.schemes:
+            d, c = g.get(f"ptq_delta_ppl_{scheme}"), g.get(f"ptq_calib_sd_{scheme}")
+            cells.append(fmt(d) + (f" (calib. sd {c.mean:.2g})" if isinstance(c, Estimate) else ""))
+        body.append(f"| {g['point']} | {fmt(g.get('ppl'))} | " + " | ".join(cells) + " |")
+    return head + body + [""]
 
 
 def tile_grid_section(manifest: dict[str, Any]) -> list[str]:

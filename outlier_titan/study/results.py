@@ -5,7 +5,8 @@ Column contract of the collected table (``SWEEP_DIR/results.csv``, ``.md``, ``.p
 ``seed``, ...; ``seed`` always), ``params``, ``flops_per_token``, ``tokens``, ``flops``, ``final_val_loss``,
 ``best_val_loss``, ``final_train_loss``, ``wall_s``, ``tokens_per_s``; when the probe ran, ``final_<metric>``
 and ``peak_<metric>`` (maximum over probe steps) for each metric of :data:`PROBE_METRICS`; when
-``scripts/evaluate.py`` ran on the point (``<run>/eval/step-<N>.json``, newest step), ``ptq_delta_ppl_<scheme>``.
+``scripts/evaluate.py`` ran on the point (``<run>/eval/step-<N>.json``, newest step), ``ptq_delta_ppl_<scheme>``
+and, for schemes calibrated at several seeds, ``ptq_calib_sd_<scheme>`` (the sd of the PPL over calibration seeds).
 Every point of the manifest is one row, in manifest order; missing values are empty.
 """
 
@@ -83,6 +84,8 @@ def point_row(sweep_dir: Path, entry: dict[str, Any], axes: list[str]) -> dict[s
     report = _newest_eval(folder)
     for e in (report or {}).get("schemes", []):
         row[f"ptq_delta_ppl_{e['scheme']}"] = _num(e.get("delta"))
+        if len(e.get("ppl_runs", [])) > 1:  # calibrated schemes: the spread over calibration seeds
+            row[f"ptq_calib_sd_{e['scheme']}"] = _num(e.get("ppl_std"))
     return row
 
 
