@@ -665,13 +665,13 @@ def _table(kind: str, rows: list[dict], items: list[dict]) -> list[str]:
 
 
 def run_part(part: str, dry: bool, out: Path, budget_s: float, command: str, items: list[dict] | None = None,
-             tests: bool = True) -> dict:
+             tests: bool = True, env: dict | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     t_end = time.monotonic() + budget_s
     stem = out / f"gpu_check_part{part}"
     with open(f"{stem}.log", "w") as log, tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         log.write(f"=== {command}\n")
-        env = environment()
+        env = environment() if env is None else env
         print(f"part {part}: torch {env['torch']}, CUDA {env['cuda']}, "
               f"{', '.join(d['name'] for d in env.get('devices', [])) or 'no CUDA device'}"
               f"{'; missing: ' + ', '.join(env['missing_modules']) if env['missing_modules'] else ''}", flush=True)
@@ -710,9 +710,10 @@ def main(argv: list[str] | None = None) -> int:
     if not all(p in PARTS for p in parts):
         parser.error(f"--part {args.part!r}: use 1, 2, 3 or all")
     command = "python -m outlier_titan.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv)
-    failed = False
+    failed, env = False, None
     for part in parts:
-        report = run_part(part, args.dry, Path(args.out), args.budget, command, tests=not args.no_tests)
+        report = run_part(part, args.dry, Path(args.out), args.budget, command, tests=not args.no_tests, env=env)
+        env = report["env"]  # once per invocation
         failed |= any(it["status"] != "ok" for it in report["items"])
         t = report["tests"]
         failed |= bool(t and (t["failures"] or t["errors"] or t["returncode"] not in (0, 5)))
