@@ -97,7 +97,7 @@ def plan(part: str, dry: bool) -> list[dict]:
             items.append(dict(name=f"attention {key}={v}", kind="attention", key=key, variant=v, limit_s=60,
                               steps=2 if dry else 10, **shape))
         probe = dict(kind="probe", every=100, limit_s=120,
-                     **(dict(model="pre_ln", flavor="debug", seq_len=32, batch=4, micro=4, steps=3, probes=2)
+                     **(dict(model="pre_ln", flavor="debug", seq_len=32, batch=4, micro=4, steps=2, probes=1)
                         if dry else dict(model="pre_ln", flavor="seed000_gpt2_130m", seq_len=1024, batch=32,
                                          micro=32, steps=12, probes=4)))
         items.append(dict(probe, name="probe every 100, compile off", compile=False))
@@ -130,6 +130,16 @@ def plan(part: str, dry: bool) -> list[dict]:
                                       warmup=3, tile_size=256, vocab_size=50304))))
     else:
         raise GpuCheckError(f"unknown part {part!r}; use 1, 2, 3 or all")
+    prec = "fp32 CPU (dry)" if dry else "bf16"
+    for it in items:  # names carry what actually runs (dry mode swaps in the debug flavors)
+        if it["kind"] == "train":
+            it["name"] = (f"{it['model']}/{it['flavor']} {prec} compile {'on' if it['compile'] else 'off'} "
+                          f"AC {it['ac']}")
+        elif it["kind"] == "optim":
+            it["name"] = f"{it['optimizer']} on {it['model']}/{it['flavor']} {prec}"
+        elif it["kind"] == "probe":
+            it["name"] = (f"probe every {it['every']} on {it['model']}/{it['flavor']} {prec} "
+                          f"compile {'on' if it['compile'] else 'off'}")
     return items
 
 
