@@ -17,9 +17,9 @@ Parts (see docs/gpu.md):
 Every benchmark item runs in a worker process under its own time limit: an item that runs past it is killed
 and recorded as ``timeout``, and the next item starts in a fresh worker, so one slow item does not lose the
 others' results. The part as a whole stops starting items when its budget (default 560 s) is spent. Each part
-writes ``gpu_check_part<N>.json`` (everything), ``gpu_check_part<N>.md`` (the tables) and
-``gpu_check_part<N>.log`` (the workers' and pytest's output) to the output folder, and part 1 also
-``pytest_gpu.xml``.
+writes ``gpu_check_part<N>.json`` (everything) and ``gpu_check_part<N>.md`` (the tables) to the output
+folder, with ``gpu_check_part<N>.log`` (the workers' and pytest's output; ``gpu_check_partall.log`` for
+``--part all``, whose parts share one chain of workers) and, with part 1, ``pytest_gpu.xml``.
 
 Dry mode: device cpu, float32 (the CPU path of the trainer), the ``debug`` flavor of each model spec, a few
 steps; ``torch.compile`` is switched to the ``aot_eager`` backend (Dynamo and AOT autograd trace as on the GPU,
@@ -189,7 +189,7 @@ def _required_torch() -> str | None:
     pyproject = REPO / "pyproject.toml"
     if not pyproject.is_file():
         return None
-    import tomllib
+    from outlier_titan.config.manager import tomllib  # tomli before Python 3.11
 
     deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
     return next((d for d in deps if d.replace(" ", "").startswith("torch>") or d.startswith("torch=")), None)
@@ -441,6 +441,8 @@ def _cleanup() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)  # set by the trainer's world-size-1 start-up: the next item takes a fresh port
     torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
@@ -603,7 +605,8 @@ def _fmt(v, spec: str = "{:.3g}") -> str:
 def markdown(report: dict) -> str:
     env = report["env"]
     dev = ", ".join(d["name"] for d in env.get("devices", [])) or "CPU (no CUDA device)"
-    lines = [f"## GPU check, part {report['part']}{' (dry run: CPU, tiny shapes; no GPU numbers)' if report['dry'] else ''}",
+    dry = " (dry run: CPU, tiny shapes; no GPU numbers)" if report["dry"] else ""
+    lines = [f"## GPU check, part {report['part']}{dry}",
              "", f"- Date: {env['date']}", f"- Device: {dev}; {env['cpus']} CPUs",
              f"- torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}, Python {env['python']}"
              f" (pyproject asks {env['required_torch']})", f"- Commit: {env['commit']}",
@@ -637,7 +640,8 @@ def _table(kind: str, rows: list[dict], items: list[dict]) -> list[str]:
             out.append(f"| {it['name']} | {_fmt(r.get('params'), '{:,}')} | {_fmt(r.get('tokens_per_step'), '{:,}')} | "
                        f"{_fmt(r.get('step_s'), '{:.3f} s')} | {_fmt(r.get('tokens_per_s'), '{:,.0f}')} | "
                        f"{_fmt(r.get('mfu_pct'), '{:.1f} %')} | {_fmt(r.get('peak_memory_gib'), '{:.1f} GiB')} | "
-                       f"{_fmt(r.get('loss_first'), '{:.3f}')} / {_fmt(r.get('loss_last'), '{:.3f}')} | {_status(it)} |")
+                       f"{_fmt(r.get('loss_first'), '{:.3f}')} / {_fmt(r.get('loss_last'), '{:.3f}')} | "
+                       f"{_status(it)} |")
         return out
     if kind == "optim":
         ref = next((it["result"] for it in items if it["kind"] == "optim" and it["item"]["optimizer"] == "adamw"
@@ -653,19 +657,22 @@ def _table(kind: str, rows: list[dict], items: list[dict]) -> list[str]:
                        f"{_status(it)} |")
         return out
     if kind == "probe":
-        out = ["| run | step | probe | first probe | throughput drop at every N | status |", "|---|---|---|---|---|---|"]
+        out = ["| run | step | probe | first probe | first step after it | throughput drop at every N | status |",
+               "|---|---|---|---|---|---|---|"]
         for it in rows:
             r = it["result"] if it["status"] == "ok" else {}
             out.append(f"| {it['name']} | {_fmt(r.get('step_s'), '{:.3f} s')} | {_fmt(r.get('probe_s'), '{:.3f} s')} | "
-                       f"{_fmt(r.get('first_probe_s'), '{:.2f} s')} | {_fmt(r.get('overhead_pct'), '{:.2f} %')} | "
-                       f"{_status(it)} |")
+                       f"{_fmt(r.get('first_probe_s'), '{:.2f} s')} | "
+                       f"{_fmt(r.get('first_step_after_probe_s'), '{:.2f} s')} | "
+                       f"{_fmt(r.get('overhead_pct'), '{:.2f} %')} | {_status(it)} |")
         return out
     if kind == "attention":
-        out = ["| variant | shape | dtype | path (SDPA kernels) | fwd+bwd | tokens/s | attention core TFLOP/s | status |",
-               "|---|---|---|---|---|---|---|---|"]
+        out = ["| variant | shape | dtype | path (SDPA kernels) | fwd+bwd | tokens/s | attention core TFLOP/s | "
+               "status |", "|---|---|---|---|---|---|---|---|"]
         for it in rows:
             r = it["result"] if it["status"] == "ok" else {}
-            out.append(f"| {it['item']['variant']} | {r.get('shape', '-')} | {r.get('dtype', '-')} | {r.get('path', '-')} | "
+            out.append(f"| {it['item']['variant']} | {r.get('shape', '-')} | {r.get('dtype', '-')} | "
+                       f"{r.get('path', '-')} | "
                        f"{_fmt(r.get('fwd_bwd_s') and r['fwd_bwd_s'] * 1e3, '{:.2f} ms')} | "
                        f"{_fmt(r.get('tokens_per_s'), '{:,.0f}')} | {_fmt(r.get('attention_core_tflops'), '{:.1f}')} | "
                        f"{_status(it)} |")
@@ -674,31 +681,40 @@ def _table(kind: str, rows: list[dict], items: list[dict]) -> list[str]:
                                                               for it in rows]
 
 
-def run_part(part: str, dry: bool, out: Path, budget_s: float, command: str, items: list[dict] | None = None,
-             tests: bool = True, env: dict | None = None) -> dict:
+def run_parts(parts: tuple[str, ...], dry: bool, out: Path, budget_s: float, command: str,
+              tests: bool = True, items: dict[str, list[dict]] | None = None) -> list[dict]:
+    """Runs the parts' items in one chain of workers (``budget_s`` per part) and writes each part's JSON and
+    markdown; the log is ``gpu_check_part<N>.log`` (``all`` when several parts run)."""
     out.mkdir(parents=True, exist_ok=True)
-    t_end = time.monotonic() + budget_s
-    stem = out / f"gpu_check_part{part}"
-    with open(f"{stem}.log", "w") as log, tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+    t_end = time.monotonic() + budget_s * len(parts)
+    label = parts[0] if len(parts) == 1 else "all"
+    plans = {part: plan(part, dry) if items is None else items[part] for part in parts}
+    with open(out / f"gpu_check_part{label}.log", "w") as log, tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         log.write(f"=== {command}\n")
-        env = environment() if env is None else env
-        print(f"part {part}: torch {env['torch']}, CUDA {env['cuda']}, "
+        env = environment()
+        print(f"torch {env['torch']}, CUDA {env['cuda']}, "
               f"{', '.join(d['name'] for d in env.get('devices', [])) or 'no CUDA device'}"
               f"{'; missing: ' + ', '.join(env['missing_modules']) if env['missing_modules'] else ''}", flush=True)
-        report = {"part": part, "dry": dry, "command": command, "env": env, "tests": None, "items": []}
-        if part == "1" and tests:
-            report["tests"] = run_tests(out, log, limit_s=max(30.0, min(300.0, t_end - time.monotonic() - 120)))
-            print(f"part {part}: pytest -m gpu: {report['tests']['passed']} passed, {report['tests']['failures']} "
-                  f"failed, {report['tests']['errors']} errors, {report['tests']['skipped']} skipped", flush=True)
-        items = plan(part, dry) if items is None else items
-        report["items"] = run_items(items, dry, t_end, log, Path(tmp))
-    for it in report["items"]:
-        print(f"part {part}: {it['name']}: {it['status']} ({it['seconds']:.1f} s)", flush=True)
-    Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    text = markdown(report)
-    Path(f"{stem}.md").write_text(text)
-    print(text, flush=True)
-    return report
+        reports = {part: {"part": part, "dry": dry, "command": command, "env": env, "tests": None, "items": []}
+                   for part in parts}
+        if "1" in parts and tests:
+            t = run_tests(out, log, limit_s=max(30.0, min(300.0, t_end - time.monotonic() - 120)))
+            reports["1"]["tests"] = t
+            print(f"pytest -m gpu: {t['passed']} passed, {t['failures']} failed, {t['errors']} errors, "
+                  f"{t['skipped']} skipped", flush=True)
+        chain = [it for part in parts for it in plans[part]]
+        rows = run_items(chain, dry, t_end, log, Path(tmp))
+    for part in parts:
+        report = reports[part]
+        report["items"], rows = rows[:len(plans[part])], rows[len(plans[part]):]
+        for it in report["items"]:
+            print(f"part {part}: {it['name']}: {it['status']} ({it['seconds']:.1f} s)", flush=True)
+        stem = out / f"gpu_check_part{part}"
+        Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        text = markdown(report)
+        Path(f"{stem}.md").write_text(text)
+        print(text, flush=True)
+    return [reports[part] for part in parts]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -720,10 +736,8 @@ def main(argv: list[str] | None = None) -> int:
     if not all(p in PARTS for p in parts):
         parser.error(f"--part {args.part!r}: use 1, 2, 3 or all")
     command = "python -m outlier_titan.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv)
-    failed, env = False, None
-    for part in parts:
-        report = run_part(part, args.dry, Path(args.out), args.budget, command, tests=not args.no_tests, env=env)
-        env = report["env"]  # once per invocation
+    failed = False
+    for report in run_parts(parts, args.dry, Path(args.out), args.budget, command, tests=not args.no_tests):
         failed |= any(it["status"] != "ok" for it in report["items"])
         t = report["tests"]
         failed |= bool(t and (t["failures"] or t["errors"] or t["returncode"] not in (0, 5)))

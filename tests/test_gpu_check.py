@@ -76,8 +76,8 @@ def test_dry_mode_runs_every_part_on_the_cpu(tmp_path):
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == sorted([f"gpu_check_part{n}.{ext}" for n in "123" for ext in ("json", "log", "md")]
-                           + ["pytest_gpu.xml"])
+    assert names == sorted([f"gpu_check_part{n}.{ext}" for n in "123" for ext in ("json", "md")]
+                           + ["gpu_check_partall.log", "pytest_gpu.xml"])
     for n in "123":
         report = json.loads((tmp_path / f"gpu_check_part{n}.json").read_text())
         assert report["dry"] and report["env"]["torch"] and not report["env"]["import_failures"]
