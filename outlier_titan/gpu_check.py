@@ -255,11 +255,9 @@ def _timed(fn, n: int, device) -> list[float]:
     return times
 
 
-def _trainer(item: dict, dry: bool, workdir: Path, extra: list[str] = ()):
-    """A world-size-1 Trainer of the item's model on the embedded corpus, nothing logged to disk."""
-    from outlier_titan.config.manager import parse_args
-    from outlier_titan.trainer import Trainer
-
+def item_argv(item: dict, dry: bool, workdir: Path | str) -> list[str]:
+    """The trainer's command-line settings of a train / optim / probe item (world size 1, embedded corpus,
+    nothing logged to disk)."""
     argv = ["--job.dump_folder", str(workdir), "--job.name", "run",
             "--model.name", item["model"], "--model.flavor", item["flavor"],
             "--training.seq_len", str(item["seq_len"]), "--training.global_batch_size", str(item["batch"]),
@@ -270,7 +268,51 @@ def _trainer(item: dict, dry: bool, workdir: Path, extra: list[str] = ()):
             "--activation_checkpoint.mode", item.get("ac", "none"), "--lr_scheduler.warmup_steps", "10"]
     if item.get("vocab_size"):
         argv += ["--model.vocab_size", str(item["vocab_size"])]
-    return Trainer(parse_args(argv + list(extra)))
+    if item["kind"] == "optim":
+        argv += ["--optimizer.name", item["optimizer"], "--optimizer.tile_size", str(item["tile_size"]),
+                 "--optimizer.max_shards", "1"]
+    if item["kind"] == "probe":
+        argv += ["--observe.every", str(item["every"]), "--observe.batch_size", "4", "--observe.mode", "full"]
+    return argv
+
+
+def _trainer(item: dict, dry: bool, workdir: Path):
+    from outlier_titan.config.manager import parse_args
+    from outlier_titan.trainer import Trainer
+
+    return Trainer(parse_args(item_argv(item, dry, workdir)))
+
+
+def check_plan(part: str) -> list[str]:
+    """Problems of a part's device plan found without a device: every item's settings parse, its model builds on
+    the meta device, the tile optimizers' plans fit and every attention variant builds. Dry mode runs this for
+    the real (not the dry) plan, so a typo in a GPU item is caught on the CPU."""
+    from outlier_titan.config.manager import parse_args
+    from outlier_titan.data import build_tokenizer
+    from outlier_titan.models.registry import build_meta_model
+    from outlier_titan.optim.builder import build_param_groups
+    from outlier_titan.optim.tile_optimizers import check_tile_plans
+
+    problems = []
+    for item in plan(part, dry=False):
+        try:
+            if item["kind"] == "attention":
+                from outlier_titan.config.job_config import Model
+
+                cfg = Model(name="pre_ln", flavor=item["flavor"])
+                setattr(cfg, item["key"], item["variant"])
+                build_meta_model(cfg, 4096, item["seq_len"])
+                continue
+            if item["kind"] == "sleep":
+                continue
+            cfg = parse_args(item_argv(item, False, "unused"))
+            vocab = build_tokenizer(cfg.data.tokenizer).vocab_size
+            _, _, model = build_meta_model(cfg.model, vocab, cfg.training.seq_len)
+            if item["kind"] == "optim":
+                check_tile_plans(build_param_groups(model, cfg.optimizer), cfg.optimizer)
+        except Exception as e:  # noqa: BLE001 - every problem is listed
+            problems.append(f"{item['name']}: {type(e).__name__}: {e}")
+    return problems
 
 
 def _peak_memory_gib(device) -> float | None:
@@ -314,9 +356,7 @@ def bench_train(item: dict, dry: bool, workdir: Path) -> dict:
 def bench_optim(item: dict, dry: bool, workdir: Path) -> dict:
     """The whole training step and the optimizer step alone (on the last step's gradients), medians."""
     device = _device(dry)
-    extra = ["--optimizer.name", item["optimizer"], "--optimizer.tile_size", str(item["tile_size"]),
-             "--optimizer.max_shards", "1"]
-    trainer = _trainer(item, dry, workdir, extra)
+    trainer = _trainer(item, dry, workdir)
     try:
         for _ in range(item["warmup"]):
             trainer.train_step()
@@ -334,8 +374,7 @@ def bench_probe(item: dict, dry: bool, workdir: Path) -> dict:
     probe time / (N x step time). The first probe (hooks installed, with compile: the recompile of the blocks
     for the explicit attention path) is timed apart."""
     device = _device(dry)
-    extra = ["--observe.every", str(item["every"]), "--observe.batch_size", "4", "--observe.mode", "full"]
-    trainer = _trainer(item, dry, workdir, extra)
+    trainer = _trainer(item, dry, workdir)
     try:
         trainer._build_probe()
         trainer.train_step()
@@ -614,6 +653,10 @@ def markdown(report: dict) -> str:
     if env["missing_modules"] or env["import_failures"]:
         lines += [f"- Missing modules: {', '.join(env['missing_modules']) or 'none'}; modules that failed to "
                   f"import: {', '.join(env['import_failures']) or 'none'}", ""]
+    if report["dry"]:
+        problems = report.get("plan_problems") or []
+        lines += [f"- The device plan (settings, meta-device models, tile plans): "
+                  f"{'; '.join(problems) if problems else 'every item builds'}", ""]
     if report.get("tests"):
         t = report["tests"]
         lines += [f"`pytest -m gpu`: {t['passed']} passed, {t['failures']} failed, {t['errors']} errors, "
@@ -695,8 +738,11 @@ def run_parts(parts: tuple[str, ...], dry: bool, out: Path, budget_s: float, com
         print(f"torch {env['torch']}, CUDA {env['cuda']}, "
               f"{', '.join(d['name'] for d in env.get('devices', [])) or 'no CUDA device'}"
               f"{'; missing: ' + ', '.join(env['missing_modules']) if env['missing_modules'] else ''}", flush=True)
-        reports = {part: {"part": part, "dry": dry, "command": command, "env": env, "tests": None, "items": []}
-                   for part in parts}
+        reports = {part: {"part": part, "dry": dry, "command": command, "env": env, "tests": None, "items": [],
+                          "plan_problems": check_plan(part) if dry else []} for part in parts}
+        for part in parts:
+            for problem in reports[part]["plan_problems"]:
+                print(f"part {part}: the device plan does not build: {problem}", flush=True)
         if "1" in parts and tests:
             t = run_tests(out, log, limit_s=max(30.0, min(300.0, t_end - time.monotonic() - 120)))
             reports["1"]["tests"] = t
@@ -738,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m outlier_titan.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv)
     failed = False
     for report in run_parts(parts, args.dry, Path(args.out), args.budget, command, tests=not args.no_tests):
-        failed |= any(it["status"] != "ok" for it in report["items"])
+        failed |= any(it["status"] != "ok" for it in report["items"]) or bool(report["plan_problems"])
         t = report["tests"]
         failed |= bool(t and (t["failures"] or t["errors"] or t["returncode"] not in (0, 5)))
     return 1 if failed else 0

@@ -165,6 +165,8 @@ def test_probe_on_device_matches_cpu(device):
     for k in want:
         if math.isnan(want[k]):
             assert math.isnan(got[k]), k
+        elif "argmax" in k:  # shares of rows whose argmax is the first key: a near-tie may flip a few rows
+            assert got[k] == pytest.approx(want[k], abs=0.05), k
         else:
             assert got[k] == pytest.approx(want[k], rel=1e-3, abs=1e-5), k
 

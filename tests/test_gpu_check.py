@@ -63,6 +63,21 @@ def test_plan_covers_every_variant_and_optimizer_and_fits_the_budget(dry):
         assert flavors == {f for _, f in gpu_check.PAPER_FLAVORS}
 
 
+def test_device_plan_builds_on_the_meta_device_and_a_typo_is_caught(monkeypatch):
+    for part in gpu_check.PARTS:
+        assert gpu_check.check_plan(part) == [], part
+    real = gpu_check.plan
+
+    def with_typo(part, dry):
+        items = real(part, dry)
+        items[1] = dict(items[1], flavor="llama_1bb")
+        return items
+
+    monkeypatch.setattr(gpu_check, "plan", with_typo)
+    problems = gpu_check.check_plan("2")
+    assert len(problems) == 1 and "llama_1bb" in problems[0], problems
+
+
 def test_unknown_part_is_a_usage_error():
     with pytest.raises(SystemExit) as e:
         gpu_check.main(["--part", "4", "--dry"])
@@ -81,6 +96,7 @@ def test_dry_mode_runs_every_part_on_the_cpu(tmp_path):
     for n in "123":
         report = json.loads((tmp_path / f"gpu_check_part{n}.json").read_text())
         assert report["dry"] and report["env"]["torch"] and not report["env"]["import_failures"]
+        assert report["plan_problems"] == []
         assert report["items"] and all(it["status"] == "ok" for it in report["items"]), report["items"]
         md = (tmp_path / f"gpu_check_part{n}.md").read_text()
         assert "dry run" in md and "| ok |" in md
