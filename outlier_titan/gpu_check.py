@@ -108,8 +108,8 @@ def plan(part: str, dry: bool) -> list[dict]:
                 items.append(dict(
                     name=f"llama_1b bf16 compile {'on' if compile_ else 'off'} AC {ac}", kind="train",
                     model="pre_ln", compile=compile_, ac=ac, limit_s=240 if compile_ else 150,
-                    **(dict(flavor="debug_llama", seq_len=32, batch=4, micro=4, steps=2, warmup=1)
-                       if dry else dict(flavor="llama_1b", seq_len=2048, batch=4, micro=4, steps=10, warmup=3,
+                    **(dict(flavor="debug_llama", seq_len=32, batch=4, micro=2, steps=2, warmup=1)
+                       if dry else dict(flavor="llama_1b", seq_len=2048, batch=4, micro=2, steps=10, warmup=3,
                                         vocab_size=128256))))
     elif part == "3":
         seen = set()
