@@ -614,16 +614,21 @@ def run_tests(out: Path, log, limit_s: float) -> dict:
 
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_gpu*.py"))
     xml = out / "pytest_gpu.xml"
+    xml.unlink(missing_ok=True)  # no counts from an earlier run
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={xml}",
            *files]
     t0 = time.monotonic()
     log.write(f"=== {' '.join(cmd)}\n")
     log.flush()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
     try:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, timeout=limit_s).returncode
-    except subprocess.TimeoutExpired:
+        rc = proc.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:  # pytest and the train.py runs it started: none may hold the GPU after
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         rc = "timeout"
+        log.write(f"=== pytest ran past its {limit_s:.0f} s limit and was killed\n")
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     if xml.is_file():
         root = ET.parse(xml).getroot()

@@ -78,6 +78,14 @@ def test_device_plan_builds_on_the_meta_device_and_a_typo_is_caught(monkeypatch)
     assert len(problems) == 1 and "llama_1bb" in problems[0], problems
 
 
+def test_pytest_past_its_limit_is_killed_and_counts_nothing(tmp_path):
+    (tmp_path / "pytest_gpu.xml").write_text('<testsuite tests="9" failures="0" errors="0" skipped="0"/>')
+    with open(tmp_path / "log", "w") as log:
+        t = gpu_check.run_tests(tmp_path, log, limit_s=0.5)
+    assert t["returncode"] == "timeout" and t["tests"] == t["passed"] == 0
+    assert "killed" in (tmp_path / "log").read_text()
+
+
 def test_unknown_part_is_a_usage_error():
     with pytest.raises(SystemExit) as e:
         gpu_check.main(["--part", "4", "--dry"])
