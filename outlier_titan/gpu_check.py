@@ -99,7 +99,7 @@ def plan(part: str, dry: bool) -> list[dict]:
         probe = dict(kind="probe", every=100, limit_s=120,
                      **(dict(model="pre_ln", flavor="debug", seq_len=32, batch=4, micro=4, steps=2, probes=1)
                         if dry else dict(model="pre_ln", flavor="seed000_gpt2_130m", seq_len=1024, batch=32,
-                                         micro=32, steps=12, probes=4)))
+                                         micro=32, steps=12, probes=4, vocab_size=50304)))
         items.append(dict(probe, name="probe every 100, compile off", compile=False))
         items.append(dict(probe, name="probe every 100, compile on", compile=True, limit_s=240))
     elif part == "2":
@@ -315,6 +315,15 @@ def check_plan(part: str) -> list[str]:
     return problems
 
 
+def _close(trainer) -> None:
+    """``trainer.close()``; a failure there (after an out-of-memory error, say) is printed to the log and does not
+    hide the item's own error or result."""
+    try:
+        trainer.close()
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+
+
 def _peak_memory_gib(device) -> float | None:
     import torch
 
@@ -350,7 +359,7 @@ def bench_train(item: dict, dry: bool, workdir: Path) -> dict:
                 "finite": all(math.isfinite(x) for x in losses),
                 "dtype": "float32 (CPU)" if dry else trainer.cfg.training.mixed_precision_param}
     finally:
-        trainer.close()
+        _close(trainer)
 
 
 def bench_optim(item: dict, dry: bool, workdir: Path) -> dict:
@@ -366,7 +375,7 @@ def bench_optim(item: dict, dry: bool, workdir: Path) -> dict:
                 "step_s": statistics.median(step), "optimizer_step_s": statistics.median(opt),
                 "optimizer_share": statistics.median(opt) / statistics.median(step)}
     finally:
-        trainer.close()
+        _close(trainer)
 
 
 def bench_probe(item: dict, dry: bool, workdir: Path) -> dict:
@@ -390,7 +399,7 @@ def bench_probe(item: dict, dry: bool, workdir: Path) -> dict:
                 "every": item["every"], "overhead_pct": 100.0 * probe_s / (item["every"] * step_s),
                 "first_step_after_probe_s": after}
     finally:
-        trainer.close()
+        _close(trainer)
 
 
 def _attention_module(item: dict, device):
