@@ -172,6 +172,7 @@ def environment() -> dict:
     except (OSError, subprocess.TimeoutExpired) as e:
         env["nvidia_smi"] = f"not available ({type(e).__name__})"
     env["required_torch"] = _required_torch()
+    env["torch_meets_requirement"] = _meets(torch.__version__, env["required_torch"])
     env["missing_modules"] = _missing_dependencies()
     env["import_failures"] = _import_failures()
     return env
@@ -193,6 +194,18 @@ def _required_torch() -> str | None:
 
     deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
     return next((d for d in deps if d.replace(" ", "").startswith("torch>") or d.startswith("torch=")), None)
+
+
+def _meets(version: str, requirement: str | None) -> bool | None:
+    """Whether ``version`` satisfies a ``torch>=X.Y`` requirement (None when there is none to check)."""
+    import re
+
+    m = re.fullmatch(r"torch>=([0-9.]+)", (requirement or "").replace(" ", ""))
+    if not m:
+        return None
+    have = tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
+    want = tuple(int(x) for x in m.group(1).split("."))
+    return have[:len(want)] >= want
 
 
 # import name of each runtime dependency in pyproject
@@ -662,7 +675,9 @@ def markdown(report: dict) -> str:
     lines = [f"## GPU check, part {report['part']}{dry}",
              "", f"- Date: {env['date']}", f"- Device: {dev}; {env['cpus']} CPUs",
              f"- torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}, Python {env['python']}"
-             f" (pyproject asks {env['required_torch']})", f"- Commit: {env['commit']}",
+             f" (pyproject asks {env['required_torch']}"
+             f"{'' if env.get('torch_meets_requirement') in (True, None) else ': not met, the device torch ran'})",
+             f"- Commit: {env['commit']}",
              f"- Command: `{report['command']}`", ""]
     if env["missing_modules"] or env["import_failures"]:
         lines += [f"- Missing modules: {', '.join(env['missing_modules']) or 'none'}; modules that failed to "

@@ -120,3 +120,10 @@ def test_dry_mode_runs_every_part_on_the_cpu(tmp_path):
     steps = [it["result"]["optimizer_step_s"] for it in three["items"] if it["kind"] == "optim"]
     assert steps and all(s > 0 for s in steps)
     assert all(it["result"]["finite"] for it in three["items"] if it["kind"] == "train")
+
+
+@pytest.mark.parametrize("version, ok", [("2.11.0+cu130", False), ("2.13.0+cpu", True), ("2.14.0a0+git1", True),
+                                         ("2.9.1", False)])
+def test_report_says_whether_the_torch_meets_pyproject(version, ok):
+    assert gpu_check._meets(version, "torch>=2.13") is ok
+    assert gpu_check._meets(version, None) is None
