@@ -54,8 +54,8 @@ PARTS = ("1", "2", "3")
 # Plain torch optimizers of optimizer.name; every other choice is benchmarked against AdamW.
 TORCH_OPTIMIZERS = ("adam", "sgd", "rmsprop")
 
-# The papers' 60M-130M flavors (spec, flavor): seed 000 (softmax-1 / OrthoAdam), seed 001 (GPT+ / anGPT /
-# nGPT Table F.1) and seed 002 (OP) sizes.
+# The papers' 60M-130M flavors (spec, flavor): Kaul et al. 2024 (softmax-1 / OrthoAdam, arXiv 2410.17174), the
+# GPT+ / anGPT / nGPT sizes of Table F.1 of the anGPT paper, and the Outlier Protected block's (OP) sizes.
 PAPER_FLAVORS = (("pre_ln", "seed000_gpt2_60m"), ("pre_ln", "seed000_gpt2_130m"), ("pre_ln", "seed000_llama2_130m"),
                  ("pre_ln", "gptplus_125m"), ("angpt", "125m"), ("ngpt", "125m"), ("op", "languini_100m"),
                  ("op", "codeparrot_130m"))
