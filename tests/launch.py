@@ -44,7 +44,9 @@ def train(tmp_path: Path, *overrides: str, nproc: int = 1, name: str = "run", co
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(REPO / "train.py"), *args]
     tmp_path.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # the repository first; what PYTHONPATH held stays after it (e.g. wheels that scripts/gpu_check.sh unpacked)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
     run_dir = tmp_path / name
     records = []

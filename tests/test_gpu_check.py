@@ -1,0 +1,129 @@
+"""scripts/gpu_check.sh: the runner's per-item time limits and failure handling, the plan, and the whole check in
+``--dry`` mode on the CPU (the same code paths as on a device, tiny shapes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from outlier_titan import gpu_check
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _sleep(name, seconds=0.0, limit_s=30, **kw):
+    return dict(name=name, kind="sleep", seconds=seconds, limit_s=limit_s, **kw)
+
+
+def test_runner_kills_a_slow_item_and_goes_on_with_the_next(tmp_path):
+    items = [_sleep("quick", 0.0), _sleep("slow", 60.0, limit_s=2), _sleep("after", 0.0),
+             _sleep("fails", fail="on purpose"), _sleep("dies", exit=3), _sleep("last", 0.0)]
+    with open(tmp_path / "log", "w") as log:
+        t0 = time.monotonic()
+        rows = gpu_check.run_items(items, dry=False, deadline=time.monotonic() + 120, log=log, tmp=tmp_path)
+    assert time.monotonic() - t0 < 40
+    assert [r["status"] for r in rows] == ["ok", "timeout", "ok", "error", "crashed", "ok"]
+    assert "2 s limit" in rows[1]["result"]["error"]
+    assert "on purpose" in rows[3]["result"]["error"]
+    assert "code 3" in rows[4]["result"]["error"]
+    assert rows[5]["result"] == {"slept_s": 0.0}
+
+
+def test_runner_skips_what_the_part_budget_does_not_reach(tmp_path):
+    items = [_sleep("long", 60.0, limit_s=50), _sleep("never", 0.0)]
+    with open(tmp_path / "log", "w") as log:
+        rows = gpu_check.run_items(items, dry=False, deadline=time.monotonic() + 3, log=log, tmp=tmp_path)
+    assert [r["status"] for r in rows] == ["timeout", "skipped"]
+    assert "budget" in rows[0]["result"]["error"] and "budget" in rows[1]["result"]["error"]
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_plan_covers_every_variant_and_optimizer_and_fits_the_budget(dry):
+    key, variants = gpu_check.attention_variants()
+    one = gpu_check.plan("1", dry)
+    assert [i["variant"] for i in one if i["kind"] == "attention"] == variants
+    assert {i["compile"] for i in one if i["kind"] == "probe"} == {False, True}
+    two = gpu_check.plan("2", dry)
+    assert {(i["compile"], i["ac"]) for i in two} == {(c, a) for c in (False, True) for a in ("none", "selective")}
+    three = gpu_check.plan("3", dry)
+    optims = [i["optimizer"] for i in three if i["kind"] == "optim"]
+    assert optims[0] == "adamw" and {"orthoadam", "soap"} <= set(optims)
+    assert not set(optims) & set(gpu_check.TORCH_OPTIMIZERS)
+    for items in (one, two, three):
+        assert len({i["name"] for i in items}) == len(items)
+        assert all(i["limit_s"] <= gpu_check.PART_BUDGET_S for i in items)
+    if not dry:
+        assert all(i["flavor"] == "llama_1b" for i in two)
+        flavors = {i["flavor"] for i in three if i["kind"] == "train"}
+        assert flavors == {f for _, f in gpu_check.PAPER_FLAVORS}
+
+
+def test_device_plan_builds_on_the_meta_device_and_a_typo_is_caught(monkeypatch):
+    for part in gpu_check.PARTS:
+        assert gpu_check.check_plan(part) == [], part
+    real = gpu_check.plan
+
+    def with_typo(part, dry):
+        items = real(part, dry)
+        items[1] = dict(items[1], flavor="llama_1bb")
+        return items
+
+    monkeypatch.setattr(gpu_check, "plan", with_typo)
+    problems = gpu_check.check_plan("2")
+    assert len(problems) == 1 and "llama_1bb" in problems[0], problems
+
+
+def test_pytest_past_its_limit_is_killed_and_counts_nothing(tmp_path):
+    (tmp_path / "pytest_gpu.xml").write_text('<testsuite tests="9" failures="0" errors="0" skipped="0"/>')
+    with open(tmp_path / "log", "w") as log:
+        t = gpu_check.run_tests(tmp_path, log, limit_s=0.5)
+    assert t["returncode"] == "timeout" and t["tests"] == t["passed"] == 0
+    assert "killed" in (tmp_path / "log").read_text()
+
+
+def test_unknown_part_is_a_usage_error():
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--part", "4", "--dry"])
+    assert e.value.code == 2
+
+
+@pytest.mark.slow
+def test_dry_mode_runs_every_part_on_the_cpu(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--part", "all", "--dry"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted([f"gpu_check_part{n}.{ext}" for n in "123" for ext in ("json", "md")]
+                           + ["gpu_check_partall.log", "pytest_gpu.xml"])
+    for n in "123":
+        report = json.loads((tmp_path / f"gpu_check_part{n}.json").read_text())
+        assert report["dry"] and report["env"]["torch"] and not report["env"]["import_failures"]
+        assert report["plan_problems"] == []
+        assert report["items"] and all(it["status"] == "ok" for it in report["items"]), report["items"]
+        md = (tmp_path / f"gpu_check_part{n}.md").read_text()
+        assert "dry run" in md and "| ok |" in md
+    one = json.loads((tmp_path / "gpu_check_part1.json").read_text())
+    # without a GPU every gpu-marked test is collected and skipped ("needs a CUDA device"), none fails
+    assert one["tests"]["tests"] > 0 and one["tests"]["skipped"] == one["tests"]["tests"]
+    for it in one["items"]:
+        if it["kind"] == "attention" and it["item"]["variant"] in ("softmax", "softmax1"):
+            assert it["result"]["sdpa_kernels"] == ["_scaled_dot_product_flash_attention_for_cpu"]
+        if it["kind"] == "probe":
+            assert it["result"]["overhead_pct"] > 0
+    three = json.loads((tmp_path / "gpu_check_part3.json").read_text())
+    steps = [it["result"]["optimizer_step_s"] for it in three["items"] if it["kind"] == "optim"]
+    assert steps and all(s > 0 for s in steps)
+    assert all(it["result"]["finite"] for it in three["items"] if it["kind"] == "train")
+
+
+@pytest.mark.parametrize("version, ok", [("2.11.0+cu130", False), ("2.13.0+cpu", True), ("2.14.0a0+git1", True),
+                                         ("2.9.1", False)])
+def test_report_says_whether_the_torch_meets_pyproject(version, ok):
+    assert gpu_check._meets(version, "torch>=2.13") is ok
+    assert gpu_check._meets(version, None) is None
