@@ -8,7 +8,8 @@ and anGPT's GPT+ (QK-norm).
 
 Options (``model.*``): ``norm`` (layernorm | rmsnorm | rmsnorm_single = seed 000's RMSNormSingle, one scalar
 gain | rmsnorm_nogain), ``attention`` (softmax | softmax1, exact | the sink remedies of
-:mod:`outlier_titan.models.attention`, with its ``attention_*`` options; ``softmax`` is its old spelling), ``pos_encoding`` (learned | rope | none),
+:mod:`outlier_titan.models.attention`, with its ``attention_*`` options; ``softmax`` is its old spelling),
+``pos_encoding`` (learned | rope | none),
 ``rope_fraction`` (share of each head's dims that RoPE rotates; GPT+ uses 0.5), ``bias``, ``qk_norm``,
 ``mlp``, ``tie_embeddings``.
 
