@@ -63,3 +63,18 @@ def test_sink_logits_and_gates_resume_exactly(tmp_path, llama8):
     keys = FileSystemReader(str(whole.run_dir / "checkpoints" / "step-8")).read_metadata().state_dict_metadata
     assert any(k.endswith("layers.0.attention.sink.weight") for k in keys), sorted(keys)[:20]
     assert any(k.endswith("layers.1.attention.wg.weight") for k in keys)
+
+
+def test_new_metrics_reach_metrics_jsonl_and_tensorboard(tmp_path):
+    run = train(tmp_path, *TINY, "--training.steps", "2", "--observe.every", "2", "--observe.mode", "full",
+                "--metrics.tensorboard", "true", "--model.attention", "sigmoid").check()
+    probe = [r for r in run.records if "outliers/sink_rate" in r]
+    assert probe, run.records[-1].keys()
+    names = ("sink_rate", "massive_ratio", "massive_count", "residual_peak", "value_drain", "dormant_head_share")
+    for k in names:
+        assert f"outliers/{k}" in probe[-1] and f"outliers/layer_0/{k}" in probe[-1]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(next((run.run_dir / "tb").glob("events.out.tfevents.*"))))
+    acc.Reload()
+    assert {f"outliers/{k}" for k in names} <= set(acc.Tags()["scalars"])

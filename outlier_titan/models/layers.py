@@ -155,6 +155,7 @@ class Attention(nn.Module):
         self.wg = (nn.Linear(dim, n_heads * (1 if self.softmax == "gated_head" else self.head_dim), bias=False)
                    if self.softmax in GATED else None)
         self.prob_hook: Callable[[torch.Tensor], None] | None = None
+        self.head_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, D] -> q, k, v as [B, H_local, T, d_h], with QK-norm and RoPE applied."""
@@ -180,6 +181,8 @@ class Attention(nn.Module):
                         sink=self.sink.logits() if self.sink is not None else None, softcap=softcap)
         if self.wg is not None:
             out = apply_gate(out, self.wg(x), self.softmax)
+        if self.head_hook is not None:  # the probe: per-head outputs and value states
+            self.head_hook(out.detach(), repeat_kv(q, k, v)[1].detach())
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
