@@ -208,3 +208,22 @@ def test_attention_layers_cycle_and_parameters():
     _, no_decay = build_param_groups(m, Optimizer(no_decay=["norm", "bias", "embedding", "sink"]))
     assert "layers.0.attention.sink.weight" in no_decay["names"]
     assert "layers.1.attention.wg.weight" not in no_decay["names"]
+
+
+def test_sink_logits_and_gates_export_to_safetensors_and_back_not_to_hf(tmp_path):
+    from outlier_titan.checkpoint.export import export_model, load_pretrained
+    from outlier_titan.errors import UserError
+    from tests.test_hf import VOCAB, _save_dcp_checkpoint
+
+    model = _save_dcp_checkpoint(tmp_path / "run", ["--model.attention_layers", "sink_logit,gated_elementwise",
+                                                    "--model.attention_sink_init", "1.5"])
+    with pytest.raises(UserError, match="model.softmax = 'sink_logit'"):
+        export_model(tmp_path / "run", tmp_path / "hf", "hf")
+    fmt, _ = export_model(tmp_path / "run", tmp_path / "out", "auto")
+    assert fmt == "safetensors"
+    back, cfg, _ = load_pretrained(tmp_path / "out")
+    assert cfg.model.attention_layers == "sink_logit,gated_elementwise"
+    assert torch.equal(back.layers["0"].attention.sink.weight, torch.full((4,), 1.5))
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(back(tokens), model(tokens))

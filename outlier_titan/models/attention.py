@@ -85,13 +85,16 @@ class AttentionOptions:
 
 
 def resolve_variant(args) -> None:
-    """Reconciles ``attention`` and its old spelling ``softmax`` on a spec's args (after both are set)."""
+    """Reconciles ``attention`` and its old spelling ``softmax`` on a spec's args (after both are set);
+    afterwards ``softmax`` names the first variant in use other than softmax, if any."""
     old, new = getattr(args, "softmax", None), args.attention
     if old is not None and new is not None and old != new and old != "softmax":
         raise AttentionError(f"model.softmax = {old!r} and model.attention = {new!r} disagree; set only "
                              f"model.attention (model.softmax is its old spelling)")
     args.attention = new if new is not None else (old or "softmax")
-    args.softmax = args.attention
+    # ``softmax`` stays "softmax" only when every block runs plain softmax (the HF export checks it)
+    used = [args.attention] + layer_variants(args.attention_layers)
+    args.softmax = next((v for v in used if v != "softmax"), "softmax")
 
 
 def validate_attention_args(args, spec: str, unsupported: tuple[str, ...] = (), why: str = "") -> None:
