@@ -26,6 +26,7 @@ from outlier_titan.study.plan import point_dir
 
 REPO = Path(__file__).resolve().parents[2]
 SUITES = tuple(SUITE_INFO)
+SMOKE_ONLY = ("sinks2025",)  # suites without their cpu / gpu scales yet
 SCALES = ("smoke", "cpu", "search", "synthetic", "gpu")
 """``search``: the calibration search of the cpu scale (issue 10), where a suite has one: the seeds' levers on
 the cpu recipe, evaluated and reported like a suite, so the settings tried and the peaks they gave are kept.
@@ -50,6 +51,8 @@ def suite_file(suite: str, scale: str) -> Path:
         have = sorted(p.parent.name for p in (REPO / "train_configs" / "suites").glob(f"*/{scale}.toml"))
         raise UserError(f"suite {suite} has no {OPTIONAL_SCALES[scale]} (train_configs/suites/{suite}/{scale}.toml)"
                         f"; suites with one: {', '.join(have) or 'none'}")
+    if not path.is_file() and suite in SMOKE_ONLY:
+        raise UserError(f"suite {suite} has only the smoke scale so far; use --scale smoke")
     if not path.is_file():
         raise UserError(f"suite file {path} is missing; restore it from git")
     return path
@@ -116,7 +119,8 @@ def ours(suite: str, rows: list[dict[str, Any]], sweep_dir: Path, manifest: dict
         rep = _eval_report(point_dir(sweep_dir, e["name"]), e["steps"])
         r["ppl"] = _num((rep or {}).get("full_precision", {}).get("ppl"))
         r["first_share"] = r.get("final_first_token_argmax_share")
-        for m in ("kurtosis_first", "kurtosis_rest", "max_abs_first", "max_abs_rest", "kurtosis_neuron_rms"):
+        for m in ("kurtosis_first", "kurtosis_rest", "max_abs_first", "max_abs_rest", "kurtosis_neuron_rms",
+                  "sink_rate", "massive_ratio", "value_drain"):
             r[m] = r.get(f"final_{m}")
         r["d_int4"] = r.get("ptq_delta_ppl_int4_zeropoint")
         r["d_int8_coarse"] = r.get("ptq_delta_ppl_int8_coarse")
@@ -235,8 +239,34 @@ def claims_franke(rows: list[dict[str, Any]]) -> list[Claim]:
              f"it after {fmt(an['tokens_to_target'])} tokens (speed-up {fmt(an['speedup'])})")]
 
 
+def claims_sinks(rows: list[dict[str, Any]]) -> list[Claim]:
+    """Per remedy: its sink rate below the softmax baseline's, with its validation-loss cost. Determined only
+    where the baseline has a sink (sink rate > 0) at this scale."""
+    base = select(rows, {"model.attention": "softmax"})
+    out: list[Claim] = []
+    for r in rows:
+        variant = r.get("model.attention")
+        if variant == "softmax":
+            continue
+        text = f"{variant} removes the softmax baseline's attention sink (lower Sink^0.3)"
+        if not (base and _need(base.get("sink_rate"), r.get("sink_rate"))):
+            out.append((text, None, "a point or its probe metric is missing"))
+            continue
+        cost = ""
+        if _need(base.get("final_val_loss"), r.get("final_val_loss")):
+            cost = (f"; val loss {fmt(r['final_val_loss'])} vs {fmt(base['final_val_loss'])} "
+                    f"({(r['final_val_loss'] - base['final_val_loss']) / base['final_val_loss']:+.2%})")
+        if base["sink_rate"] <= 0:
+            out.append((text, None, f"the baseline has no sink at this scale (Sink^0.3 = 0); {variant} "
+                                    f"{fmt(r['sink_rate'])}{cost}"))
+            continue
+        out.append((text, r["sink_rate"] < base["sink_rate"],
+                    f"baseline {fmt(base['sink_rate'])}, {variant} {fmt(r['sink_rate'])}{cost}"))
+    return out
+
+
 CLAIMS: dict[str, Callable[[list[dict[str, Any]]], list[Claim]]] = {
-    "kaul2024": claims_kaul, "he2024": claims_he, "franke2025": claims_franke}
+    "kaul2024": claims_kaul, "he2024": claims_he, "franke2025": claims_franke, "sinks2025": claims_sinks}
 
 
 # ------------------------------------------------------------------------------------------------ figures
