@@ -15,8 +15,10 @@ STEPS = ["--training.steps", "8"]
 ALL_NEW = "sink_logit,gated_head,gated_elementwise,softpick,sigmoid,relu,clipped_softmax,softmax1"
 LLAMA8 = ["--model.flavor", "debug_llama", "--model.n_layers", "8", "--model.attention_layers", ALL_NEW,
           "--model.attention_sink_init", "0.5", "--optimizer.no_decay", "norm,bias,embedding,sink"]
-# The 1-rank run also checkpoints at steps 4 and 8: the uninterrupted reference of the resume test.
+# The 1-rank run also checkpoints at steps 4 and 8 (the uninterrupted reference of the resume test) and probes at
+# steps 4 and 8 into metrics.jsonl and TensorBoard (the probe must not change the losses the other layouts match).
 CHECKPOINTS = ["--checkpoint.enable", "true", "--checkpoint.interval", "4", "--lr_scheduler.total_steps", "8"]
+PROBE = ["--observe.every", "4", "--observe.mode", "full", "--metrics.tensorboard", "true"]
 OP = ["--model.name", "op", "--model.attention_layers", "sink_logit,softpick,sigmoid,relu,clipped_softmax",
       "--model.n_layers", "5", "--optimizer.no_decay", "norm,bias,embedding,gain"]
 
@@ -36,7 +38,7 @@ def _layouts(tmp_path, args, one_rank_extra=()):
 
 @pytest.fixture(scope="module")
 def llama8(tmp_path_factory):
-    return _layouts(tmp_path_factory.mktemp("llama8"), LLAMA8, CHECKPOINTS)
+    return _layouts(tmp_path_factory.mktemp("llama8"), LLAMA8, CHECKPOINTS + PROBE)
 
 
 def test_every_variant_trains_equally_on_1_rank_fsdp2_and_fsdp2_tp2(llama8):
@@ -65,14 +67,13 @@ def test_sink_logits_and_gates_resume_exactly(tmp_path, llama8):
     assert any(k.endswith("layers.1.attention.wg.weight") for k in keys)
 
 
-def test_new_metrics_reach_metrics_jsonl_and_tensorboard(tmp_path):
-    run = train(tmp_path, *TINY, "--training.steps", "2", "--observe.every", "2", "--observe.mode", "full",
-                "--metrics.tensorboard", "true", "--model.attention", "sigmoid").check()
+def test_new_metrics_reach_metrics_jsonl_and_tensorboard(llama8):
+    run = llama8["one_rank"]
     probe = [r for r in run.records if "outliers/sink_rate" in r]
-    assert probe, run.records[-1].keys()
+    assert [r["step"] for r in probe] == [4, 8], run.records[-1].keys()
     names = ("sink_rate", "massive_ratio", "massive_count", "residual_peak", "value_drain", "dormant_head_share")
     for k in names:
-        assert f"outliers/{k}" in probe[-1] and f"outliers/layer_0/{k}" in probe[-1]
+        assert f"outliers/{k}" in probe[-1] and all(f"outliers/layer_{i}/{k}" in probe[-1] for i in range(8))
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(next((run.run_dir / "tb").glob("events.out.tfevents.*"))))
