@@ -227,3 +227,17 @@ def test_sink_logits_and_gates_export_to_safetensors_and_back_not_to_hf(tmp_path
     tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert torch.equal(back(tokens), model(tokens))
+
+
+@pytest.mark.parametrize("variant", ["sink_logit", "softpick", "clipped_softmax"])
+def test_softcap_caps_the_logits_before_the_variant_but_not_the_sink(variant):
+    q, k, v = _qkv(1, 2, 6, 4, 6.0, seed=9)
+    cap = 3.0
+    sink = torch.tensor([2.5, 4.0], dtype=torch.float64) if variant == "sink_logit" else None
+    got = attention(q, k, v, variant, opts=AttentionOptions(variant=variant), sink=sink, softcap=cap)
+    ref = torch.zeros_like(got)
+    for i in range(6):
+        s = torch.einsum("bhd,bhjd->bhj", q[:, :, i], k[:, :, : i + 1]) * 0.5
+        w = weights_formula(cap * torch.tanh(s / cap), i, variant, sink=sink)  # the sink logit 4.0 > cap stays
+        ref[:, :, i] = torch.einsum("bhj,bhjd->bhd", w, v[:, :, : i + 1])
+    assert (got - ref).abs().max().item() < TOL

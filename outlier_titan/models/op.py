@@ -24,6 +24,8 @@ Options and the readings chosen where the paper is ambiguous:
   heads, eps ``norm_eps``, the authors' code), or ``logit_softcap`` c > 0: c * tanh(s / c) on the scaled logits
   (the tanh alternative of App. E.2; c = 30 in the authors' code). With a soft-cap the attention runs the
   explicit (non-fused) path. The OPT runs' LayerNorm QK-norm is not offered.
+* ``attention`` (and the ``attention_*`` options): the attention variants of :mod:`outlier_titan.models.attention`;
+  the gated ones only for the Pre-Norm baselines (the OP block has no normalised input for the gate).
 * ``mlp_alpha``: a scalar on the MLP input (equivalently the pre-activation without bias). ``analytic`` is the
   Brock et al. style reading: alpha_l = 1 / predicted std of the pre-activation at init, from the variance
   recursion of the residual stream (embedding mean square, plus beta^2 times each branch's predicted output
