@@ -50,6 +50,13 @@ def test_op_variants_train_equally_on_1_rank_fsdp2_and_fsdp2_tp2(tmp_path):
     _layouts(tmp_path, OP)
 
 
+@pytest.mark.slow
+def test_gpt2_style_variants_train_equally_on_1_rank_fsdp2_and_fsdp2_tp2(tmp_path):
+    # learned positions, LayerNorm with biases, tied embeddings, GELU: the other pre_ln style
+    _layouts(tmp_path, ["--model.n_layers", "8", "--model.attention_layers", ALL_NEW,
+                        "--optimizer.no_decay", "norm,bias,embedding,sink"])
+
+
 def test_sink_logits_and_gates_resume_exactly(tmp_path, llama8):
     whole = llama8["one_rank"]
     args = [*TINY, *STEPS, *LLAMA8, *CHECKPOINTS]
