@@ -18,7 +18,9 @@ from outlier_titan.observe.probe import OutlierProbe
 from outlier_titan.parallel.dims import free_port
 
 SEED, VOCAB, SEQ, BATCH = 7, 4096, 32, 4
-FLAVORS = {"gpt2_s1": dict(flavor="debug", softmax="softmax1"), "llama": dict(flavor="debug_llama")}
+FLAVORS = {"gpt2_s1": dict(flavor="debug", softmax="softmax1"), "llama": dict(flavor="debug_llama"),
+           # attention variants (their own weights in the probe), sink logits and gates sharded with the heads
+           "variants": dict(flavor="debug_llama", attention_layers="sink_logit,gated_elementwise,softpick,relu")}
 OBSERVE = Observe(mode="full", kurtosis_centered=True, map_tokens=16)
 
 

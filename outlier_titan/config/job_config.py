@@ -34,8 +34,26 @@ class Model:
     norm: str | None = opt(None, "pre_ln: norm type (rmsnorm_single: one scalar gain, seed 000's RMSNormSingle; "
                                  "rmsnorm_nogain: no gain).",
                            ("layernorm", "rmsnorm", "rmsnorm_single", "rmsnorm_nogain"))
-    softmax: str | None = opt(None, "Attention normaliser: softmax, or exact softmax-1 (zero sink).",
+    softmax: str | None = opt(None, "Old spelling of model.attention (softmax or softmax1 only).",
                               ("softmax", "softmax1"))
+    # --- attention variants (pre_ln, op; see docs/attention.md) ---
+    attention: str | None = opt(None, "Attention variant: softmax, softmax1 (exact zero sink), sink_logit (learned "
+                                      "per-head sink logit), gated_head / gated_elementwise (sigmoid output gate), "
+                                      "softpick, sigmoid, relu, clipped_softmax.",
+                                ("softmax", "softmax1", "sink_logit", "gated_head", "gated_elementwise", "softpick",
+                                 "sigmoid", "relu", "clipped_softmax"))
+    attention_layers: str | None = opt(None, "Comma list of attention variants, one per block (cycled); overrides "
+                                             "model.attention per block (default: none).")
+    attention_sink_init: float | None = opt(None, "sink_logit: initial sink logit of every head (default 0: "
+                                                  "softmax-1 at init).")
+    attention_softpick_eps: float | None = opt(None, "softpick: epsilon of the denominator (default 1e-6).")
+    attention_sigmoid_bias: float | None = opt(None, "sigmoid: the logit bias b (default -log(sequence length)).")
+    attention_relu_norm: str | None = opt(None, "relu: divide the weights by the keys each query sees (prefix, "
+                                                "default), the sequence length (seq_len) or nothing (none).",
+                                          ("prefix", "seq_len", "none"))
+    attention_clip_zeta: float | None = opt(None, "clipped_softmax: stretch zeta >= 1 (default 1).")
+    attention_clip_gamma: float | None = opt(None, "clipped_softmax: stretch gamma <= 0 (default -0.03).")
+    # --- end of attention variants ---
     pos_encoding: str | None = opt(None, "Position encoding.", ("learned", "rope", "none"))
     bias: bool | None = opt(None, "Biases in linear layers and norms.")
     qk_norm: bool | None = opt(None, "Per-head RMSNorm on queries and keys (GPT+).")
@@ -87,7 +105,8 @@ class Optimizer:
     weight_decay: float = opt(0.1, "Decoupled weight decay (AdamW-style) for decayed parameters.")
     momentum: bool = opt(True, "SGD: use momentum beta1 (false = plain SGD).")
     no_decay: list = opt(["norm", "bias", "embedding"],
-                         "Parameter classes without weight decay: any of norm, bias, embedding, gain.")
+                         "Parameter classes without weight decay: any of norm, bias, embedding, gain, sink "
+                         "(learned attention sink logits).")
     tile_size: int = opt(0, "orthoadam/soap: 0 rotates every axis whole (one basis per axis up to max_precond_dim: "
                             "the published methods; a sharded axis then needs tiles). N > 0: the shard-local tile "
                             "variant, tiles of edge N on each parameter's global grid along the residual (never "

@@ -231,9 +231,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"parallelism.dp_shard must be -1 (fill) or >= 1, got {p.dp_shard}")
     if t.micro_batch_size is not None:
         positive("training.micro_batch_size", t.micro_batch_size)
-    bad = set(cfg.optimizer.no_decay) - {"norm", "bias", "embedding", "gain"}
+    bad = set(cfg.optimizer.no_decay) - {"norm", "bias", "embedding", "gain", "sink"}
     if bad:
-        raise ConfigError(f"optimizer.no_decay: unknown class {sorted(bad)}; allowed: norm, bias, embedding, gain")
+        raise ConfigError(f"optimizer.no_decay: unknown class {sorted(bad)}; allowed: norm, bias, embedding, gain, sink")
 
 
 _FLOAT32_MAX = 3.4028234663852886e38

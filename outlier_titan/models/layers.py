@@ -1,7 +1,8 @@
-"""Layers shared by the model specs: norms, RoPE, attention (softmax / exact softmax-1), MLPs.
+"""Layers shared by the model specs: norms, RoPE, attention (softmax, exact softmax-1 and the variants of
+:mod:`outlier_titan.models.attention`), MLPs.
 
 Conventions every spec follows (the TP plans, FSDP placements, optimizer and probe rely on them):
-linear weights are named ``wq, wk, wv, wo`` (attention) and ``w1, w2, w3`` (MLP; w2 is the output
+linear weights are named ``wq, wk, wv, wo`` (attention; ``wg`` for a gate) and ``w1, w2, w3`` (MLP; w2 is the output
 projection); ``wo`` and ``w2`` map back into the residual stream. Heads are inferred from the local
 weight shapes at run time, so a tensor-parallel shard sees only its local heads.
 """
@@ -13,6 +14,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from outlier_titan.models.attention import (GATED, AttentionOptions, SinkLogit, apply_gate, attention_weights,
+                                             run_attention)
 
 
 class RMSNorm(nn.Module):
@@ -103,51 +107,43 @@ def explicit_attention_probs(q: torch.Tensor, k: torch.Tensor, softmax: str, sca
     """Causal attention probabilities [B, H, T, T] computed explicitly (softmax-1 rows sum to < 1).
 
     ``softcap > 0`` caps the scaled logits as c * tanh(s / c) before masking (the sink logit stays 0).
+    ``softmax`` is any parameter-free variant of :mod:`outlier_titan.models.attention`.
     """
-    t = q.shape[-2]
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    s = s.masked_fill(~mask, float("-inf"))
-    if softmax == "softmax1":
-        m = s.amax(-1, keepdim=True).clamp_min(0.0)  # sink logit is 0, so the running max starts at 0
-        e = torch.exp(s - m)
-        return e / (torch.exp(-m) + e.sum(-1, keepdim=True))
-    return torch.softmax(s, dim=-1)
+    return attention_weights(q, k, AttentionOptions(variant=softmax), scale, softcap=softcap)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax: str, scale: float | None = None,
-              prob_hook: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+              prob_hook: Callable[[torch.Tensor], None] | None = None, opts: AttentionOptions | None = None,
+              sink: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention over [B, H, T, d_h] tensors (k, v may have fewer heads: GQA).
 
     ``softmax1`` is exact: a zero key and zero value row is prepended to q, k and v and the fused SDPA runs
     with ``is_causal=True`` on T+1 positions, so every query sees the sink (logit 0, value 0) plus its causal
     prefix; output row 0 is dropped. With ``prob_hook`` the probabilities are computed explicitly (for the
-    outlier probe) and passed to the hook.
+    outlier probe) and passed to the hook. The other variants (``opts``; ``sink``: the per-head sink logits)
+    and their backends: :mod:`outlier_titan.models.attention`.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k, v = repeat_kv(q, k, v)
-    if prob_hook is not None:
-        p = explicit_attention_probs(q, k, softmax, scale)
-        prob_hook(p)
-        return (p @ v.float()).to(q.dtype)
-    if softmax == "softmax1":
-        pad = (0, 0, 1, 0)
-        out = F.scaled_dot_product_attention(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), is_causal=True,
-                                             scale=scale)
-        return out[:, :, 1:]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    opts = opts if opts is not None else AttentionOptions(variant=softmax)
+    return run_attention(q, k, v, opts, scale, sink=sink, softcap=softcap, prob_hook=prob_hook)
 
 
 class Attention(nn.Module):
-    """Multi-head (grouped-query) causal self-attention with optional RoPE and per-head QK RMSNorm."""
+    """Multi-head (grouped-query) causal self-attention with optional RoPE and per-head QK RMSNorm.
+
+    ``softmax`` names the attention variant (:mod:`outlier_titan.models.attention`); ``opts`` carries its
+    options. ``sink_logit`` adds ``sink`` (a :class:`SinkLogit`, one logit per head); the gated variants add
+    ``wg`` (a linear map of the block's attention input to one gate logit per head, or per head and channel).
+    """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, bias: bool, softmax: str,
-                 qk_norm: bool = False, rope: RotaryEmbedding | None = None, norm_eps: float = 1e-6):
+                 qk_norm: bool = False, rope: RotaryEmbedding | None = None, norm_eps: float = 1e-6,
+                 opts: AttentionOptions | None = None):
         super().__init__()
         self.head_dim = dim // n_heads
-        self.softmax = softmax
+        self.opts = opts if opts is not None else AttentionOptions(variant=softmax)
+        self.softmax = self.opts.variant
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
@@ -155,7 +151,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.rope = rope
+        self.sink = SinkLogit(n_heads, self.opts.sink_init) if self.softmax == "sink_logit" else None
+        self.wg = (nn.Linear(dim, n_heads * (1 if self.softmax == "gated_head" else self.head_dim), bias=False)
+                   if self.softmax in GATED else None)
         self.prob_hook: Callable[[torch.Tensor], None] | None = None
+        self.head_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, D] -> q, k, v as [B, H_local, T, d_h], with QK-norm and RoPE applied."""
@@ -174,9 +174,20 @@ class Attention(nn.Module):
         b, _, t, _ = out.shape
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
+    def attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+               softcap: float = 0.0) -> torch.Tensor:
+        """The variant's attention output [B, H_local, T, d_h] (gate applied; ``x`` is the gate's input)."""
+        out = attention(q, k, v, self.softmax, scale=scale, prob_hook=self.prob_hook, opts=self.opts,
+                        sink=self.sink.logits() if self.sink is not None else None, softcap=softcap)
+        if self.wg is not None:
+            out = apply_gate(out, self.wg(x), self.softmax)
+        if self.head_hook is not None:  # the probe: per-head outputs and value states
+            self.head_hook(out.detach(), repeat_kv(q, k, v)[1].detach())
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
-        return self.project_out(attention(q, k, v, self.softmax, prob_hook=self.prob_hook))
+        return self.project_out(self.attend(x, q, k, v))
 
 
 class MLP(nn.Module):

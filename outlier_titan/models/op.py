@@ -24,6 +24,8 @@ Options and the readings chosen where the paper is ambiguous:
   heads, eps ``norm_eps``, the authors' code), or ``logit_softcap`` c > 0: c * tanh(s / c) on the scaled logits
   (the tanh alternative of App. E.2; c = 30 in the authors' code). With a soft-cap the attention runs the
   explicit (non-fused) path. The OPT runs' LayerNorm QK-norm is not offered.
+* ``attention`` (and the ``attention_*`` options): the attention variants of :mod:`outlier_titan.models.attention`;
+  the gated ones only for the Pre-Norm baselines (the OP block has no normalised input for the gate).
 * ``mlp_alpha``: a scalar on the MLP input (equivalently the pre-activation without bias). ``analytic`` is the
   Brock et al. style reading: alpha_l = 1 / predicted std of the pre-activation at init, from the variance
   recursion of the residual stream (embedding mean square, plus beta^2 times each branch's predicted output
@@ -55,9 +57,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from outlier_titan.config.manager import ConfigError
+from outlier_titan.models.attention import (GATED, AttentionArgs, block_options, resolve_variant,
+                                            validate_attention_args)
 from outlier_titan.models.init import Initializer
-from outlier_titan.models.layers import (MLP, Attention, LayerNorm, RotaryEmbedding, build_norm,
-                                         explicit_attention_probs, init_norms, repeat_kv)
+from outlier_titan.models.layers import MLP, Attention, LayerNorm, RotaryEmbedding, build_norm, init_norms
 from outlier_titan.models.pre_ln import build_rope, rope_dims
 from outlier_titan.models.registry import ModelSpec, register_spec
 
@@ -66,7 +69,7 @@ _BLOCK_NORM = {"pre_ln": "layernorm", "pre_rms": "rmsnorm", "pre_srms": "rmsnorm
 
 
 @dataclass
-class OPArgs:
+class OPArgs(AttentionArgs):
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -100,6 +103,7 @@ class OPArgs:
             self.ffn_hidden = 4 * self.dim
         if self.embed_scale is None:
             self.embed_scale = 1.0 / self.init_std
+        resolve_variant(self)
 
     def validate(self) -> None:
         if self.block not in BLOCKS:
@@ -116,6 +120,9 @@ class OPArgs:
             raise ConfigError(f"model.residual_scale_mode = {self.residual_scale_mode!r} is not a mode")
         if self.mlp_alpha not in ("none", "analytic", "trainable"):
             raise ConfigError(f"model.mlp_alpha = {self.mlp_alpha!r} is not a mode")
+        pre_norm = self.block in ("pre_ln", "pre_rms", "pre_srms")
+        validate_attention_args(self, "op", () if pre_norm else GATED,
+                                f"block {self.block!r} has no normalised attention input for the gate")
 
     @property
     def beta(self) -> float:
@@ -143,30 +150,20 @@ class Scale(nn.Module):
         init.constant(self.weight, self.value)
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax: str, cap: float,
-                         prob_hook=None) -> torch.Tensor:
-    """Causal attention with logits c * tanh(s / c), s = q k^T / sqrt(d_h) (explicit path; softmax-1 exact:
-    sink logit 0 after the cap)."""
-    k, v = repeat_kv(q, k, v)
-    p = explicit_attention_probs(q, k, softmax, q.shape[-1] ** -0.5, softcap=cap)
-    if prob_hook is not None:
-        prob_hook(p.detach())
-    return (p @ v.float()).to(q.dtype)
-
-
 class OPAttention(Attention):
-    """layers.Attention (QK-RMSNorm before RoPE) with an optional tanh logit soft-cap."""
+    """layers.Attention (QK-RMSNorm before RoPE, any ``model.attention`` variant) with an optional tanh logit
+    soft-cap c * tanh(s / c), s = q k^T / sqrt(d_h) (explicit path; softmax-1 exact: sink logit 0 after the
+    cap; a learned sink logit is not capped)."""
 
-    def __init__(self, args: OPArgs, rope: RotaryEmbedding | None):
-        super().__init__(args.dim, args.n_heads, args.n_kv_heads, args.bias, args.softmax, qk_norm=args.qk_norm,
-                         rope=rope, norm_eps=args.norm_eps)
+    def __init__(self, args: OPArgs, rope: RotaryEmbedding | None, layer_id: int = 0):
+        opts = block_options(args, layer_id)
+        super().__init__(args.dim, args.n_heads, args.n_kv_heads, args.bias, opts.variant, qk_norm=args.qk_norm,
+                         rope=rope, norm_eps=args.norm_eps, opts=opts)
         self.softcap = args.logit_softcap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.softcap:
-            return super().forward(x)
         q, k, v = self.project_qkv(x)
-        return self.project_out(softcapped_attention(q, k, v, self.softmax, self.softcap, self.prob_hook))
+        return self.project_out(self.attend(x, q, k, v, softcap=self.softcap))
 
 
 @functools.lru_cache(maxsize=None)
@@ -208,7 +205,7 @@ class OPBlock(nn.Module):
             self.attention_norm = (LayerNorm(args.dim, eps=args.norm_eps, bias=args.bias)
                                    if args.input_norm and layer_id == 0 else None)
             self.ffn_norm = None
-        self.attention = OPAttention(args, rope)
+        self.attention = OPAttention(args, rope, layer_id)
         self.feed_forward = MLP(args.dim, args.ffn_hidden, args.mlp, args.bias)
         mode = args.residual_scale_mode
         self.attn_scale = None if mode == "none" else Scale(mode, args.residual_scale, args.dim)
@@ -267,8 +264,10 @@ class OPTransformer(nn.Module):
             init.normal(self.pos_embeddings.weight, std)
         for block in self.layers.values():
             att, ff = block.attention, block.feed_forward
-            for lin in (att.wq, att.wk, att.wv, att.wo, ff.w1, ff.w3, ff.w2):
+            for lin in (att.wq, att.wk, att.wv, att.wo, att.wg, ff.w1, ff.w3, ff.w2):
                 init.linear(lin, std)
+            if att.sink is not None:
+                att.sink.init_weights(init)
             for m in (block.attn_scale, block.mlp_scale, block.mlp_input_scale):
                 if m is not None:
                     m.init_weights(init)

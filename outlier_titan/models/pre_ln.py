@@ -7,7 +7,9 @@ and anGPT's GPT+ (QK-norm).
     logits = head(norm_f(x))
 
 Options (``model.*``): ``norm`` (layernorm | rmsnorm | rmsnorm_single = seed 000's RMSNormSingle, one scalar
-gain | rmsnorm_nogain), ``softmax`` (softmax | softmax1, exact), ``pos_encoding`` (learned | rope | none),
+gain | rmsnorm_nogain), ``attention`` (softmax | softmax1, exact | the sink remedies of
+:mod:`outlier_titan.models.attention`, with its ``attention_*`` options; ``softmax`` is its old spelling),
+``pos_encoding`` (learned | rope | none),
 ``rope_fraction`` (share of each head's dims that RoPE rotates; GPT+ uses 0.5), ``bias``, ``qk_norm``,
 ``mlp``, ``tie_embeddings``.
 
@@ -41,13 +43,14 @@ import torch
 import torch.nn as nn
 
 from outlier_titan.config.manager import ConfigError
+from outlier_titan.models.attention import AttentionArgs, block_options, resolve_variant, validate_attention_args
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import MLP, Attention, RotaryEmbedding, build_norm, init_norms
 from outlier_titan.models.registry import ModelSpec, register_spec
 
 
 @dataclass
-class PreLNArgs:
+class PreLNArgs(AttentionArgs):
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -72,6 +75,7 @@ class PreLNArgs:
             self.n_kv_heads = self.n_heads
         if self.ffn_hidden is None:
             self.ffn_hidden = 4 * self.dim if self.mlp != "swiglu" else (8 * self.dim // 3 + 63) // 64 * 64
+        resolve_variant(self)
 
     def validate(self) -> None:
         if self.dim % self.n_heads:
@@ -80,6 +84,7 @@ class PreLNArgs:
             raise ConfigError(f"model: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
         if self.pos_encoding == "rope":
             rope_dims(self.dim // self.n_heads, self.rope_fraction)
+        validate_attention_args(self, "pre_ln")
 
 
 def rope_dims(head_dim: int, fraction: float) -> int:
@@ -115,11 +120,12 @@ def build_rope(head_dim: int, max_seq_len: int, theta: float, fraction: float) -
 
 
 class Block(nn.Module):
-    def __init__(self, args: PreLNArgs, rope: RotaryEmbedding | None):
+    def __init__(self, args: PreLNArgs, rope: RotaryEmbedding | None, layer_id: int = 0):
         super().__init__()
         self.attention_norm = build_norm(args.norm, args.dim, args.norm_eps, args.bias)
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.bias, args.softmax,
-                                   qk_norm=args.qk_norm, rope=rope, norm_eps=args.norm_eps)
+        opts = block_options(args, layer_id)
+        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.bias, opts.variant,
+                                   qk_norm=args.qk_norm, rope=rope, norm_eps=args.norm_eps, opts=opts)
         self.ffn_norm = build_norm(args.norm, args.dim, args.norm_eps, args.bias)
         self.feed_forward = MLP(args.dim, args.ffn_hidden, args.mlp, args.bias)
 
@@ -137,7 +143,7 @@ class PreLNTransformer(nn.Module):
         # One rotary table shared by all blocks (a non-persistent buffer, not a parameter).
         self.rope = (build_rope(args.dim // args.n_heads, args.max_seq_len, args.rope_theta, args.rope_fraction)
                      if args.pos_encoding == "rope" else None)
-        self.layers = nn.ModuleDict({str(i): Block(args, self.rope) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args, self.rope, i) for i in range(args.n_layers)})
         self.norm = build_norm(args.norm, args.dim, args.norm_eps, args.bias)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
 
@@ -161,8 +167,10 @@ class PreLNTransformer(nn.Module):
             init.normal(self.pos_embeddings.weight, a.init_std)
         for block in self.layers.values():
             att, ff = block.attention, block.feed_forward
-            for lin in (att.wq, att.wk, att.wv, ff.w1, ff.w3):
+            for lin in (att.wq, att.wk, att.wv, att.wg, ff.w1, ff.w3):
                 init.linear(lin, a.init_std)
+            if att.sink is not None:
+                att.sink.init_weights(init)
             for lin in (att.wo, ff.w2):
                 init.linear(lin, a.init_std / (2 * a.n_layers) ** 0.5)
         init.linear(self.output, a.init_std)

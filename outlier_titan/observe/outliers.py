@@ -26,6 +26,22 @@ Definitions (see ``shared/reference``):
   softmax the rows sum to 1, so it is zero by construction (what is left is float rounding noise) and it is
   not reported; under both, seed 000 §3.6's first-key mass is the comparable quantity.
 
+The attention-sink metrics of the field (see docs/attention.md; "weights" are the weights that multiply the
+values, unnormalised for sigmoid / ReLU / softpick attention):
+
+* **sink rate** ``Sink^eps`` (Gu et al. 2024, arXiv 2410.10781): per head the mean weight on key 0 over all
+  queries and sequences, ``alpha_h``; the share of heads with ``alpha_h > eps``, eps = 0.3 (``SINK_EPS``).
+  Per layer, and over all heads of all layers as the mean over layers (every layer has the same heads).
+* **massive activations** (Sun et al. 2024, arXiv 2402.17762): per sequence, ``max |x|`` over its tokens and
+  channels divided by the median ``|x|`` (``massive_ratio``) and the number of entries above 100 x that
+  median (``massive_count``, ``MASSIVE_FACTOR``); means over sequences.
+* **residual peak** (Guo et al. 2024, arXiv 2410.13835): per sequence ``||x_0|| / mean_{j>0} ||x_j||`` of the
+  residual stream; **value drain**: per sequence and head ``||v_0|| / mean_{j>0} ||v_j||`` of the value
+  states; means.
+* **dormant heads** (after Guo et al.): a head is dormant when its mean output norm on the non-first tokens
+  (after any gate, before ``wo``) is below ``DORMANT_TAU`` = 0.1 times the mean of that quantity over the
+  layer's heads; ``dormant_head_share`` is the share of such heads.
+
 Everything that has to be reduced across data-parallel ranks is expressed as **sums** (:func:`residual_sums`,
 :func:`attention_sums`), so the distributed probe adds them up and finalises once
 (:func:`finalize_residual`, :func:`finalize_attention`); the direct functions are for tests and analysis.
@@ -141,12 +157,47 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 RESIDUAL_METRICS = (
     "kurtosis_first", "kurtosis_rest", "kurtosis_all", "max_abs_first", "max_abs_rest", "max_abs_rest_token",
     "kurtosis_neuron_rms", "max_median_ratio", "norm_ratio", "signal_prop_cos", "signal_prop_corr",
-    "residual_rms", "residual_norm",
+    "residual_rms", "residual_norm", "massive_ratio", "massive_count", "residual_peak",
 )
 ATTENTION_METRICS = (
     "first_token_argmax_share", "first_token_argmax_share_excl_q0", "first_token_attention_mass",
-    "first_token_attention_mass_norm", "attention_sink_mass", "attention_entropy",
+    "first_token_attention_mass_norm", "attention_sink_mass", "attention_entropy", "sink_rate",
 )
+HEAD_METRICS = ("value_drain", "dormant_head_share")
+
+SINK_EPS = 0.3  # Gu et al. 2024's threshold of the sink rate
+MASSIVE_FACTOR = 100.0  # Sun et al. 2024: "massive" = more than this times the median magnitude
+DORMANT_TAU = 0.1  # a head is dormant below this share of its layer's mean head-output norm
+
+
+def sink_rate(probs: torch.Tensor, eps: float = SINK_EPS) -> torch.Tensor:
+    """Gu et al. 2024: share of heads whose mean weight on key 0 (over batch and queries) exceeds ``eps``."""
+    alpha = probs[..., 0].to(F64).mean((0, 2))  # [H]
+    return (alpha > eps).to(F64).mean()
+
+
+def massive_activations(x: torch.Tensor, factor: float = MASSIVE_FACTOR) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sun et al. 2024 on a residual stream [B, T, D]: per sequence max |x| / median |x| and the count of
+    entries above ``factor`` x median; both averaged over sequences."""
+    a = x.to(F64).abs().reshape(x.shape[0], -1)
+    med = a.median(-1).values
+    ratio = a.amax(-1) / med.clamp_min(torch.finfo(F64).tiny)
+    count = (a > factor * med.unsqueeze(-1)).to(F64).sum(-1)
+    return ratio.mean(), count.mean()
+
+
+def first_token_norm_ratio(x: torch.Tensor) -> torch.Tensor:
+    """[..., T, C] -> mean over the leading dims of ``||x_0|| / mean_{j>0} ||x_j||`` (residual peak of a
+    residual stream [B, T, D]; value drain of value states [B, H, T, d_h])."""
+    n = x.to(F64).norm(dim=-1)
+    return (n[..., 0] / n[..., 1:].mean(-1).clamp_min(torch.finfo(F64).tiny)).mean()
+
+
+def dormant_head_share(out: torch.Tensor, tau: float = DORMANT_TAU) -> torch.Tensor:
+    """Share of heads of ``out`` [B, H, T, d_h] (per-head attention outputs) whose mean output norm over the
+    non-first tokens is below ``tau`` x the mean of that over the heads."""
+    r = out[:, :, 1:].to(F64).norm(dim=-1).mean((0, 2))  # [H]
+    return (r < tau * r.mean()).to(F64).mean()
 
 
 def residual_sums(x: torch.Tensor, centred: bool = False) -> dict[str, torch.Tensor]:
@@ -184,6 +235,13 @@ def residual_sums(x: torch.Tensor, centred: bool = False) -> dict[str, torch.Ten
     }
     if centred:
         out["csq"] = (x64 - x64.mean(-1, keepdim=True)).square().sum((0, 1))
+    a = absx.to(F64).reshape(b, -1)
+    med = a.median(-1).values.clamp_min(torch.finfo(F64).tiny)
+    out["massive_ratio"] = (a.amax(-1) / med).sum()
+    out["massive_count"] = (a > MASSIVE_FACTOR * med.unsqueeze(-1)).to(F64).sum()
+    if t > 1:
+        norms = norms2.sqrt()
+        out["peak"] = (norms[:, 0] / norms[:, 1:].mean(-1).clamp_min(torch.finfo(F64).tiny)).sum()
     return out
 
 
@@ -211,6 +269,11 @@ def finalize_residual(s: dict[str, torch.Tensor]) -> dict[str, float]:
         out["residual_norm"] = float(s["norm"]) / n_tok
         if "csq" in s:
             out["kurtosis_neuron_rms_centred"] = float(neuron_rms_kurtosis_centred_from_sq(s["csq"] / n_tok))
+    if n_seq > 0 and "massive_ratio" in s:
+        out["massive_ratio"] = float(s["massive_ratio"]) / n_seq
+        out["massive_count"] = float(s["massive_count"]) / n_seq
+        if "peak" in s:
+            out["residual_peak"] = float(s["peak"]) / n_seq
     if n_tok > 1:
         out["signal_prop_cos"] = (float(s["unit"].square().sum()) - n_tok) / (n_tok * (n_tok - 1))
         if total_sq > 0:
@@ -246,6 +309,9 @@ def attention_sums(probs: torch.Tensor, map_size: int = 0, sink: bool = False) -
     }
     if sink:
         out["sink_mass"] = (1.0 - row).clamp_min(0.0).sum()
+    # per head (a [H] vector: the probe lays local heads out at their global positions under TP)
+    out["head_mass_first"] = p0.sum((0, 2))
+    out["head_n_rows"] = p0.new_full((h,), float(b * t))
     if map_size > 0:
         k = min(map_size, t)
         out["map"] = p[:, :, :k, :k].sum((0, 1), dtype=F64)
@@ -267,6 +333,36 @@ def finalize_attention(s: dict[str, torch.Tensor]) -> dict[str, float]:
             out["attention_sink_mass"] = float(s["sink_mass"]) / n
     if n1 > 0:
         out["first_token_argmax_share_excl_q0"] = float(s["argmax_first_excl_q0"]) / n1
+    if "head_mass_first" in s and bool((s["head_n_rows"] > 0).all()):
+        alpha = s["head_mass_first"] / s["head_n_rows"]
+        out["sink_rate"] = float((alpha > SINK_EPS).to(F64).mean())
+    return out
+
+
+def head_sums(out: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums for value drain and dormant heads from one layer's per-head attention outputs ``out`` and value
+    states ``v`` (both [B, H, T, d_h]; v repeated to the query heads under GQA). Keys ``head_*`` are [H] vectors
+    (laid out at the global head positions by the probe under TP)."""
+    b, h, t, _ = out.shape
+    o = out.to(F64).norm(dim=-1)  # [B, H, T]
+    vn = v.to(F64).norm(dim=-1)
+    res = {"n_head_seqs": o.new_full((), float(b * h)), "head_n_rest": o.new_full((h,), float(b * (t - 1))),
+           "head_out_rest": o[:, :, 1:].sum((0, 2))}
+    if t > 1:
+        res["value_drain"] = (vn[..., 0] / vn[..., 1:].mean(-1).clamp_min(torch.finfo(F64).tiny)).sum()
+    else:
+        res["value_drain"] = o.new_zeros(())
+    return res
+
+
+def finalize_heads(s: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Value drain and the dormant-head share from (summed, head-aligned) :func:`head_sums`."""
+    s = {k: v.to(F64).cpu() for k, v in s.items()}
+    out: dict[str, float] = {}
+    if bool((s["head_n_rest"] > 0).all()):
+        out["value_drain"] = float(s["value_drain"]) / float(s["n_head_seqs"])
+        r = s["head_out_rest"] / s["head_n_rest"]
+        out["dormant_head_share"] = float((r < DORMANT_TAU * r.mean()).to(F64).mean())
     return out
 
 

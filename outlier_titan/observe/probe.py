@@ -16,6 +16,11 @@ the tensor-parallel dim, then copied to the host once. Under TP the residual str
 (``full_tensor()``, sequence parallel included) and is then the same on every TP rank, so only TP rank 0
 contributes it; attention heads are local to a TP rank, so their sums add up over TP.
 
+The attention-sink metrics of the field (sink rate, massive activations, residual peak, value drain, dormant
+heads; definitions in :mod:`outlier_titan.observe.outliers`) come from the same hooks; value drain and dormant
+heads from each Attention's ``head_hook`` (per-head outputs and value states). Per-head vectors (``head_*``
+sums) are laid out at their global head positions before the TP all-reduce.
+
 Scalars (identical on all ranks): ``outliers/layer_<i>/<metric>`` per block, ``outliers/head_input/<metric>``
 for the pre-head input, and ``outliers/<metric>`` = the mean over blocks (the papers' "averaged across
 layers"; the head input is not in the mean). Images (full mode, global rank 0 only): ``outliers/attention_map``
@@ -33,6 +38,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from outlier_titan.config.job_config import Observe
+from outlier_titan.models.attention import WITH_SINK
 from outlier_titan.models.layers import Attention
 from outlier_titan.observe import outliers as om
 from outlier_titan.observe.pictures import attention_map_image, hidden_magnitude_image
@@ -73,9 +79,11 @@ class OutlierProbe:
     @torch.no_grad()
     def local_sums(self, tokens: torch.Tensor) -> dict:
         """One forward with hooks; this rank's float64 sums: {"res": {layer: sums}, "head": sums,
-        "attn": {layer: sums}, "rep": {"res": bool, "attn": bool}} (rep: replicated over TP)."""
+        "attn": {layer: sums}, "heads": {layer: sums}, "rep": {"res": bool, "attn": bool}} (rep: replicated
+        over TP; "heads": value drain and dormant heads from the per-head outputs)."""
         res: dict[str, dict] = {}
         attn: dict[str, dict] = {}
+        heads: dict[str, dict] = {}
         head: dict = {}
         rep = {"res": False, "attn": False}
         centred = bool(self.cfg.kurtosis_centered)
@@ -100,8 +108,16 @@ class OutlierProbe:
             def hook(probs):
                 p, r = self._probs(probs, module)
                 rep["attn"] |= r
-                sums = om.attention_sums(p, map_size, sink=module.softmax == "softmax1")
-                attn[name] = om.add_sums(attn.get(name), sums)
+                sums = om.attention_sums(p, map_size, sink=module.softmax in WITH_SINK)
+                attn[name] = om.add_sums(attn.get(name), self._global_heads(sums, module, r))
+            return hook
+
+        def heads_hook(name, module):
+            def hook(out, v):
+                r = self._tp_mesh is not None and out.shape[1] == self._n_heads(module)
+                rep["attn"] |= r
+                sums = self._global_heads(om.head_sums(out, v), module, r)
+                heads[name] = om.add_sums(heads.get(name), sums)
             return hook
 
         handles = [self.model.layers[n].register_forward_hook(block_hook(n)) for n in self.layer_names]
@@ -112,6 +128,7 @@ class OutlierProbe:
                 for name, mods in self.attention.items():
                     for m in mods:
                         m.prob_hook = prob_hook(name, m)
+                        m.head_hook = heads_hook(name, m)
                         hooked.append(m)
             self.model(tokens)
         finally:
@@ -119,7 +136,8 @@ class OutlierProbe:
                 h.remove()
             for m in hooked:
                 m.prob_hook = None
-        return {"res": res, "head": head, "attn": attn, "rep": rep}
+                m.head_hook = None
+        return {"res": res, "head": head, "attn": attn, "heads": heads, "rep": rep}
 
     def reduce(self, sums: dict) -> dict:
         """Adds the sums over all ranks (DP dims and TP) with one flat all-reduce per mesh dim; host copy."""
@@ -129,9 +147,10 @@ class OutlierProbe:
                 entries.append(("res", name, k, v))
         for k, v in sums["head"].items():
             entries.append(("head", None, k, v))
-        for name in self.layer_names:
-            for k, v in sums["attn"].get(name, {}).items():
-                entries.append(("attn", name, k, v))
+        for sec in ("attn", "heads"):
+            for name in self.layer_names:
+                for k, v in sums.get(sec, {}).get(name, {}).items():
+                    entries.append((sec, name, k, v))
         if not entries:
             return sums
         zero_res = self._tp_rank != 0 and sums["rep"]["res"]
@@ -139,14 +158,14 @@ class OutlierProbe:
         parts = []
         for sec, _, _, v in entries:
             v = v.to(torch.float64).reshape(-1)
-            if (zero_res and sec in ("res", "head")) or (zero_attn and sec == "attn"):
+            if (zero_res and sec in ("res", "head")) or (zero_attn and sec in ("attn", "heads")):
                 v = torch.zeros_like(v)
             parts.append(v)
         flat = torch.cat(parts)
         for group in self._dp_groups + ([self._tp_group] if self._tp_group is not None else []):
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         flat = flat.cpu()
-        out = {"res": {}, "head": {}, "attn": {}, "rep": sums["rep"]}
+        out = {"res": {}, "head": {}, "attn": {}, "heads": {}, "rep": sums["rep"]}
         offset = 0
         for sec, name, k, v in entries:
             n = v.numel()
@@ -166,6 +185,8 @@ class OutlierProbe:
             m = om.finalize_residual(sums["res"][name]) if name in sums["res"] else {}
             if name in sums["attn"]:
                 m.update(om.finalize_attention(sums["attn"][name]))
+            if name in sums.get("heads", {}):
+                m.update(om.finalize_heads(sums["heads"][name]))
             per_layer.append(m)
             for k, v in m.items():
                 scalars[f"{PREFIX}/layer_{name}/{k}"] = v
@@ -205,8 +226,27 @@ class OutlierProbe:
             return probs.full_tensor(), True
         if self._tp_mesh is None:
             return probs, False
-        global_heads = module.wq.weight.shape[0] // module.head_dim  # DTensor weights report global shapes
-        return probs, probs.shape[1] == global_heads
+        return probs, probs.shape[1] == self._n_heads(module)
+
+    @staticmethod
+    def _n_heads(module: Attention) -> int:
+        return module.wq.weight.shape[0] // module.head_dim  # DTensor weights report global shapes
+
+    def _global_heads(self, sums: dict, module: Attention, replicated: bool) -> dict:
+        """Per-head [H_local] vectors (keys ``head_*``) placed at this TP rank's heads of a zero [H] vector, so
+        that the TP all-reduce lays the heads side by side (ColwiseParallel gives each rank a contiguous block
+        of heads); unchanged without TP or when all heads are here."""
+        if self._tp_mesh is None or replicated:
+            return sums
+        n = self._n_heads(module)
+        out = dict(sums)
+        for k, v in sums.items():
+            if k.startswith("head_"):
+                full = v.new_zeros(n)
+                h = v.shape[0]
+                full[self._tp_rank * h:(self._tp_rank + 1) * h] = v
+                out[k] = full
+        return out
 
     def _images(self, sums: dict) -> dict[str, np.ndarray]:
         images = {}
@@ -227,8 +267,8 @@ class OutlierProbe:
     def _add(acc: dict | None, new: dict) -> dict:
         if acc is None:
             return new
-        out = {"res": {}, "attn": {}, "rep": {k: acc["rep"][k] or new["rep"][k] for k in acc["rep"]}}
-        for sec in ("res", "attn"):
+        out = {"res": {}, "attn": {}, "heads": {}, "rep": {k: acc["rep"][k] or new["rep"][k] for k in acc["rep"]}}
+        for sec in ("res", "attn", "heads"):
             for name in set(acc[sec]) | set(new[sec]):
                 out[sec][name] = om.add_sums(acc[sec].get(name), new[sec][name]) if name in new[sec] \
                     else acc[sec][name]

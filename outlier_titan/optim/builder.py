@@ -19,7 +19,11 @@ NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
 
 
 def param_class(module: nn.Module, param_name: str, param: torch.Tensor) -> str:
-    """One of: embedding, norm, bias, gain, matrix."""
+    """One of: embedding, norm, bias, gain, matrix, or the module's own ``param_class`` (``sink``: attention
+    sink logits)."""
+    own = getattr(module, "param_class", None)
+    if isinstance(own, str):
+        return own
     if isinstance(module, nn.Embedding):
         return "embedding"
     if isinstance(module, NORM_TYPES) or getattr(module, "is_norm", False):

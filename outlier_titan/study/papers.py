@@ -118,4 +118,25 @@ FRANKE = SuiteInfo(
     kurtosis="kurtosis_rest",
 )
 
-SUITE_INFO = {"kaul2024": KAUL, "he2024": HE, "franke2025": FRANKE}
+# The attention-sink remedies (docs/attention.md). Paper numbers only where the paper's abstract states them:
+# softpick's 0 % sink rate (340M and 1.8B) and sigmoid attention's absence of sinks (Gu et al., up to 1B).
+SINKS = SuiteInfo(
+    title="sinks2025: attention-sink remedies side by side (softmax-1, sink logit, gates, softpick, sigmoid, ReLU, "
+          "clipped softmax)",
+    citation="Zuhri et al. 2025 (arXiv 2504.20966); Gu et al. 2024 (arXiv 2410.10781); Qiu et al. 2025 (arXiv "
+             "2505.06708); Ramapuram et al. 2024 (arXiv 2409.04431); Guo et al. 2024 (arXiv 2410.13835); "
+             "Bondarenko et al. 2023 (arXiv 2306.12929); Kaul et al., ICLR 2025",
+    metrics={"ppl": "PPL", "sink_rate": "Sink^0.3", "first_share": "%First", "massive_ratio": "top-1 / median",
+             "value_drain": "value drain", "d_int8_coarse": "Δppl int8 coarse"},
+    rows=[
+        PaperRow("softpick, 340M and 1.8B", {"model.attention": "softpick"}, dict(sink_rate=0.0),
+                 "Zuhri et al. 2025, abstract (0 % sink rate)"),
+        PaperRow("sigmoid attention without normalisation, up to 1B", {"model.attention": "sigmoid"},
+                 dict(sink_rate=0.0), "Gu et al. 2024, abstract (no attention sink emerges)"),
+    ],
+    schemes=("int8_coarse",),
+    kurtosis="kurtosis_rest",
+    extra_probe=("sink_rate", "massive_ratio", "value_drain"),
+)
+
+SUITE_INFO = {"kaul2024": KAUL, "he2024": HE, "franke2025": FRANKE, "sinks2025": SINKS}

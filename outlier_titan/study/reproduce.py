@@ -29,6 +29,7 @@ from outlier_titan.study.stats import Estimate, estimate
 
 REPO = Path(__file__).resolve().parents[2]
 SUITES = tuple(SUITE_INFO)
+SMOKE_ONLY = ("sinks2025",)  # suites without their cpu / gpu scales yet
 SCALES = ("smoke", "cpu", "search", "synthetic", "tiles", "gpu")
 """``search``: the calibration search of the cpu scale (issue 10), where a suite has one: the seeds' levers on
 the cpu recipe, evaluated and reported like a suite, so the settings tried and the peaks they gave are kept.
@@ -56,6 +57,8 @@ def suite_file(suite: str, scale: str) -> Path:
         have = sorted(p.parent.name for p in (REPO / "train_configs" / "suites").glob(f"*/{scale}.toml"))
         raise UserError(f"suite {suite} has no {OPTIONAL_SCALES[scale]} (train_configs/suites/{suite}/{scale}.toml)"
                         f"; suites with one: {', '.join(have) or 'none'}")
+    if not path.is_file() and suite in SMOKE_ONLY:
+        raise UserError(f"suite {suite} has only the smoke scale so far; use --scale smoke")
     if not path.is_file():
         raise UserError(f"suite file {path} is missing; restore it from git")
     return path
@@ -122,7 +125,8 @@ def ours(suite: str, rows: list[dict[str, Any]], sweep_dir: Path, manifest: dict
         rep = _eval_report(point_dir(sweep_dir, e["name"]), e["steps"])
         r["ppl"] = _num((rep or {}).get("full_precision", {}).get("ppl"))
         r["first_share"] = r.get("final_first_token_argmax_share")
-        for m in ("kurtosis_first", "kurtosis_rest", "max_abs_first", "max_abs_rest", "kurtosis_neuron_rms"):
+        for m in ("kurtosis_first", "kurtosis_rest", "max_abs_first", "max_abs_rest", "kurtosis_neuron_rms",
+                  "sink_rate", "massive_ratio", "value_drain"):
             r[m] = r.get(f"final_{m}")
         r["d_int4"] = r.get("ptq_delta_ppl_int4_zeropoint")
         r["d_int8_coarse"] = r.get("ptq_delta_ppl_int8_coarse")
@@ -276,8 +280,32 @@ def claims_franke(groups: list[dict[str, Any]]) -> list[Claim]:
     return [(text, *stats.threshold_verdict(sp, 1.0, above=True))]
 
 
+def claims_sinks(groups: list[dict[str, Any]]) -> list[Claim]:
+    """Per remedy: it removes the softmax baseline's attention sink (its Sink^0.3 at most 0.05, t-interval over
+    seeds), with its validation-loss cost paired by seed. Cannot be tested where the baseline forms no sink."""
+    base = select(groups, {"model.attention": "softmax"})
+    base_rate = _get(base, "sink_rate")
+    out: list[Claim] = []
+    for g in groups:
+        variant = g.get("model.attention")
+        if variant == "softmax":
+            continue
+        text = f"{variant} removes the softmax baseline's attention sink (Sink^0.3 ≤ 0.05)"
+        dloss = _paired_relative(base, g, "final_val_loss") if base else None
+        cost = f"; val loss change {dloss.text()} (relative, paired by seed)" if dloss else ""
+        if base_rate is None or _get(g, "sink_rate") is None:
+            out.append((text, stats.MISSING, "a point or its probe metric is missing"))
+        elif not stats.effect_present(base_rate, 0.0):
+            out.append((text, stats.UNTESTABLE, f"the baseline forms no sink at this scale (Sink^0.3 "
+                                                f"{base_rate.text()}); {variant} {_get(g, 'sink_rate').text()}{cost}"))
+        else:
+            v, d = stats.threshold_verdict(_get(g, "sink_rate"), 0.05, above=False)
+            out.append((text, v, f"baseline {base_rate.text()}; {variant} {d}{cost}"))
+    return out
+
+
 CLAIMS: dict[str, Callable[[list[dict[str, Any]]], list[Claim]]] = {  # on the groups of :func:`aggregate`
-    "kaul2024": claims_kaul, "he2024": claims_he, "franke2025": claims_franke}
+    "kaul2024": claims_kaul, "he2024": claims_he, "franke2025": claims_franke, "sinks2025": claims_sinks}
 
 
 # ------------------------------------------------------------------------------------------------ figures

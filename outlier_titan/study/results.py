@@ -25,7 +25,9 @@ from outlier_titan.study.runner import point_status
 
 # Probe metrics (``outliers/<name>`` in metrics.jsonl, the mean over blocks) collected as final_/peak_ columns.
 PROBE_METRICS = ("kurtosis_first", "kurtosis_rest", "kurtosis_neuron_rms", "max_abs_first", "max_abs_rest",
-                 "first_token_argmax_share", "first_token_attention_mass")
+                 "first_token_argmax_share", "first_token_attention_mass",
+                 # attention-sink metrics of the field (docs/attention.md)
+                 "sink_rate", "massive_ratio", "massive_count", "residual_peak", "value_drain", "dormant_head_share")
 BASE_COLUMNS = ("params", "flops_per_token", "tokens", "flops", "final_val_loss", "best_val_loss",
                 "final_train_loss", "wall_s", "tokens_per_s")
 

@@ -1,0 +1,134 @@
+"""The field's attention-sink metrics (observe/outliers.py, the probe) on constructed attention maps and
+activations whose values are known by hand, through the reducible sums and the probe."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from outlier_titan.config.job_config import Model, Observe
+from outlier_titan.models.init import Initializer
+from outlier_titan.models.registry import model_args
+from outlier_titan.observe import outliers as om
+from outlier_titan.observe.probe import OutlierProbe
+
+F64 = torch.float64
+
+
+def constructed_map(alphas, t=5, b=2):
+    """[B, H, T, T] weights whose column 0 is alpha_h on every query (rows unnormalised, as under sigmoid)."""
+    p = torch.zeros(b, len(alphas), t, t, dtype=F64)
+    for h, a in enumerate(alphas):
+        p[:, h, :, 0] = a
+        p[:, h, 1:, 1] = 0.01
+    return p
+
+
+def test_sink_rate_by_hand_and_through_sums():
+    p = constructed_map([1.0, 0.31, 0.29, 0.0])  # two heads above eps = 0.3
+    assert om.sink_rate(p).item() == 0.5
+    assert om.finalize_attention(om.attention_sums(p))["sink_rate"] == 0.5
+    # pooled over two halves of the batch (two DP ranks): per-head means over all sequences
+    q = constructed_map([0.2, 0.2, 0.2, 0.2])
+    both = om.add_sums(om.attention_sums(p), om.attention_sums(q))
+    assert om.finalize_attention(both)["sink_rate"] == 0.25  # (1 + 0.2) / 2 = 0.6 > 0.3; 0.255, 0.245, 0.1 not
+
+
+def test_sink_rate_heads_split_over_tp_ranks_are_laid_side_by_side():
+    p = constructed_map([1.0, 0.31, 0.29, 0.0])
+    probe = OutlierProbe.__new__(OutlierProbe)
+    probe._tp_mesh = object()  # stands for a TP mesh of 2
+    module = nn.Module()
+    module.wq, module.head_dim = nn.Linear(8, 4 * 2, bias=False), 2  # 4 global heads
+    total = None
+    for rank in (0, 1):
+        probe._tp_rank = rank
+        local = om.attention_sums(p[:, 2 * rank:2 * rank + 2])
+        total = om.add_sums(total, probe._global_heads(local, module, replicated=False))
+    got = om.finalize_attention(total)
+    ref = om.finalize_attention(om.attention_sums(p))
+    assert got["sink_rate"] == ref["sink_rate"] == 0.5
+    assert torch.equal(total["head_mass_first"], om.attention_sums(p)["head_mass_first"])
+
+
+def test_massive_activations_and_residual_peak_by_hand():
+    x = torch.ones(2, 3, 3, dtype=F64)
+    x[0].view(-1)[7], x[0].view(-1)[8] = 2.0, -300.0  # sequence 0: median 1, max 300, one entry > 100 x median
+    x[1] *= 2.0  # sequence 1: all equal, ratio 1, none massive
+    ratio, count = om.massive_activations(x)
+    assert ratio.item() == pytest.approx((300 + 1) / 2) and count.item() == 0.5
+    m = om.finalize_residual(om.residual_sums(x))
+    assert m["massive_ratio"] == pytest.approx(150.5) and m["massive_count"] == 0.5
+    # residual peak: token norms [10, 2, 2, 2] -> 5; second sequence [1, 1, 1, 1] -> 1
+    y = torch.zeros(2, 4, 3, dtype=F64)
+    y[0, 0, 0], y[0, 1:, 1] = 10.0, 2.0
+    y[1, :, 2] = 1.0
+    assert om.first_token_norm_ratio(y).item() == pytest.approx(3.0)
+    assert om.finalize_residual(om.residual_sums(y))["residual_peak"] == pytest.approx(3.0)
+
+
+def test_value_drain_and_dormant_heads_by_hand():
+    b, h, t, d = 1, 4, 3, 2
+    v = torch.ones(b, h, t, d, dtype=F64)
+    v[:, :, 0] *= 0.1 / 2 ** 0.5  # ||v_0|| = 0.1
+    v[:, :, 2] *= 3.0  # norms [0.1, sqrt 2, 3 sqrt 2]
+    drain = 0.1 / ((2 ** 0.5 + 3 * 2 ** 0.5) / 2)
+    out = torch.zeros(b, h, t, d, dtype=F64)
+    out[:, :, 1:, 0] = torch.tensor([1.0, 1.0, 1.0, 0.01]).view(1, h, 1)
+    out[:, 3, 0, 0] = 50.0  # the first token's output does not count
+    s = om.head_sums(out, v)
+    m = om.finalize_heads(s)
+    assert m["value_drain"] == pytest.approx(drain)
+    assert m["dormant_head_share"] == 0.25  # 0.01 < 0.1 x mean(1, 1, 1, 0.01)
+    assert om.dormant_head_share(out).item() == 0.25
+    assert om.first_token_norm_ratio(v).item() == pytest.approx(drain)
+
+
+@pytest.mark.parametrize("variant", ["sigmoid", "sink_logit", "gated_head"])
+def test_probe_reports_the_new_metrics_from_the_variants_own_weights(variant):
+    spec, args = model_args(Model(name="pre_ln", flavor="debug", attention=variant), 512, 16)
+    model = spec.build(args)
+    model.init_weights(Initializer(0, torch.device("cpu")))
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    seen, outs, res = [], [], []
+    att = model.layers["1"].attention
+    att_hook = model.layers["1"].register_forward_hook(lambda m, i, o: res.append(o.detach()))
+    scalars, images = OutlierProbe(model, Observe(mode="full", map_tokens=8)).run(tokens)
+    att_hook.remove()
+    # the same forward again with our own hooks (every layer on the explicit path, as in the probe)
+    for blk in model.layers.values():
+        blk.attention.prob_hook = lambda p: None
+    att.prob_hook, att.head_hook = seen.append, (lambda o, v: outs.append((o, v)))
+    with torch.no_grad():
+        model(tokens)
+    for blk in model.layers.values():
+        blk.attention.prob_hook = blk.attention.head_hook = None
+    p = seen[0]
+    if variant == "sigmoid":  # unnormalised weights: rows do not sum to 1
+        assert (p.sum(-1) - 1).abs().max().item() > 0.1
+    if variant == "sink_logit":  # the sink keeps part of each row
+        assert (p.sum(-1) < 1).all()
+    assert scalars["outliers/layer_1/sink_rate"] == om.sink_rate(p).item()
+    o, v = outs[0]
+    assert scalars["outliers/layer_1/value_drain"] == pytest.approx(om.first_token_norm_ratio(v).item(), rel=1e-9)
+    assert scalars["outliers/layer_1/dormant_head_share"] == om.dormant_head_share(o).item()
+    ratio, count = om.massive_activations(res[0])
+    assert scalars["outliers/layer_1/massive_ratio"] == pytest.approx(ratio.item(), rel=1e-9)
+    assert scalars["outliers/layer_1/massive_count"] == count.item()
+    assert scalars["outliers/layer_1/residual_peak"] == pytest.approx(om.first_token_norm_ratio(res[0]).item(),
+                                                                        rel=1e-9)
+    for k in ("sink_rate", "massive_ratio", "massive_count", "residual_peak", "value_drain", "dormant_head_share"):
+        assert f"outliers/{k}" in scalars
+    assert "outliers/attention_map" in images
+
+
+def test_evaluation_report_and_collected_tables_show_the_new_metrics():
+    from outlier_titan.eval.report import markdown
+    from outlier_titan.study.results import PROBE_METRICS
+
+    names = ("sink_rate", "massive_ratio", "massive_count", "residual_peak", "value_drain", "dormant_head_share")
+    probe = {f"outliers/{k}": 0.25 + i for i, k in enumerate(names)}
+    text = markdown({"checkpoint": "c", "tokens": 10, "seq_len": 4, "full_precision": {"ppl": 5.0}, "schemes": [],
+                     "probe": probe})
+    for i, k in enumerate(names):
+        assert f"| {k} | {0.25 + i:.4g} |" in text
+        assert k in PROBE_METRICS  # sweep.py collect: final_<k> and peak_<k> columns
