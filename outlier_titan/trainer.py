@@ -224,6 +224,8 @@ class Trainer:
         self.model.train()
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, seed=cfg.training.seed)
+        if hasattr(self.optimizer, "describe"):  # e.g. Muon's parameter split
+            self.log0(self.optimizer.describe())
         if cfg.compile.enable and isinstance(self.optimizer, TileAdamBase):
             self.optimizer.compile_math()
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
