@@ -142,3 +142,120 @@ def test_bad_options_raise_user_errors():
         opt = build_optimizer(model, cfg_for(muon_ns_steps=0), 0)
         loss_of(model, 0).backward()
         opt.step()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Layouts on plain tensors and on simulated DTensor shards
+
+
+def _groups(params, names, lr=2e-2):
+    hidden = [n for n in names if params[n].ndim == 2 and n.startswith("layers.")]
+    rest = [n for n in names if n not in hidden]
+    return [{"params": [params[n] for n in hidden], "names": hidden, "algorithm": "muon", "lr": lr,
+             "weight_decay": 0.1, "momentum": 0.95, "nesterov": True, "ns_coefficients": (3.4445, -4.775, 2.0315),
+             "ns_steps": 5, "eps": 1e-7, "adjust_lr_fn": "original"},
+            {"params": [params[n] for n in rest], "names": rest, "algorithm": "adamw", "lr": 3e-3,
+             "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}]
+
+
+def _run_plain(layout, steps, full_every=1, ns_dtype="float64", per_head=None):
+    from outlier_titan.optim.tile_engine import EngineOptions
+    from tests.test_optim_layouts import SPEC, full_grads, full_params
+
+    names = [n for n, _ in SPEC]
+    params = {n: torch.nn.Parameter(t.clone()) for n, t in full_params().items()}
+    opt = MuonAdamW(_groups(params, names), layout=layout, full_every=full_every, ns_dtype=ns_dtype,
+                    per_head=per_head, options=EngineOptions(tile_size=4, shard_tile_size=4))
+    for grads in full_grads(steps):
+        for n, p in params.items():
+            p.grad = grads[n].clone()
+        opt.step()
+    return {n: p.detach() for n, p in params.items()}
+
+
+def test_block_periodic_every_1_equals_full_and_every_k_interleaves_full_and_block_steps():
+    full, block = _run_plain("full", 4), _run_plain("block", 4)
+    bp1, bp2 = _run_plain("block_periodic", 4, full_every=1), _run_plain("block_periodic", 4, full_every=2)
+    for n in full:
+        assert torch.equal(bp1[n], full[n]), n
+    wq = "layers.0.attention.wq.weight"
+    assert not torch.equal(block[wq], full[wq]) and not torch.equal(bp2[wq], full[wq])
+    assert not torch.equal(bp2[wq], block[wq])
+    # step 1 of block_periodic is a full step
+    one_full, one_bp = _run_plain("full", 1), _run_plain("block_periodic", 1, full_every=3)
+    assert all(torch.equal(one_full[n], one_bp[n]) for n in one_full)
+
+
+def test_block_tiles_are_orthogonalised_separately_with_their_own_lr_scale():
+    from outlier_titan.optim.tile_engine import EngineOptions
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.zeros(8, 12, dtype=torch.float64))
+    grad = torch.randn(8, 12, generator=g, dtype=torch.float64)
+    group = _groups({"layers.0.feed_forward.w1.weight": w}, ["layers.0.feed_forward.w1.weight"], lr=0.1)[0]
+    group.update(momentum=0.0, nesterov=False, weight_decay=0.0)
+    opt = MuonAdamW([group], layout="block", ns_dtype="float64", options=EngineOptions(tile_size=8, shard_tile_size=4))
+    w.grad = grad.clone()
+    opt.step()
+    want = torch.zeros_like(grad)
+    for r in (0, 4):  # row tiles of 4 (the sharded axis), column tiles of 8 and a ragged 4
+        for c, edge in ((0, 8), (8, 4)):
+            blk = grad[r:r + 4, c:c + edge]
+            want[r:r + 4, c:c + edge] = -0.1 * max(1, 4 / edge) ** 0.5 * newton_schulz(
+                blk, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float64)
+    torch.testing.assert_close(w.detach(), want, rtol=1e-12, atol=1e-14)
+
+
+def test_per_head_orthogonalises_each_heads_rows():
+    model = small_model()
+    cfg = cfg_for(muon_per_head=True, muon_momentum=0.0, muon_nesterov=False, weight_decay=0.0,
+                  muon_ns_dtype="float64")
+    opt = build_optimizer(model, cfg, 0)
+    assert "per head (6 matrices)" in opt.describe()
+    wq = model.layers["0"].attention.wq.weight
+    before = wq.detach().clone()
+    loss_of(model, 0).backward()
+    grad = wq.grad.clone()
+    opt.step()
+    heads = newton_schulz(grad.reshape(4, 8, 32), (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float64)
+    torch.testing.assert_close(wq.detach(), before - cfg.lr * heads.reshape(32, 32), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2xtp2", "hsdp", "fsdp4"])
+def test_block_layout_is_layout_invariant(layout):
+    """block: every rank of FSDP 4 / FSDP 2 x TP 2 / HSDP 2 x 2 (fake process group, no communication) gives
+    the one-process numbers bitwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from outlier_titan.optim.tile_engine import EngineOptions, local_indices
+    from tests.test_optim_layouts import MESHES, SPEC, _put, fake_rank, full_grads, full_params, placements
+
+    steps = 3
+    ref = _run_plain("block", steps)
+    names = [n for n, _ in SPEC]
+    mesh_shape = MESHES[layout]
+    world = 1
+    for s in mesh_shape:
+        world *= s
+    got = {n: torch.full(s, float("nan"), dtype=torch.float64) for n, s in SPEC}
+    for rank in range(world):
+        with fake_rank(rank, world):
+            mesh = init_device_mesh("cpu", mesh_shape,
+                                    mesh_dim_names=tuple(f"m{rank}d{i}" for i in range(len(mesh_shape))))
+            coord = mesh.get_coordinate()
+            place = {n: placements(layout, n, t.dim()) for n, t in full_params().items()}
+            params = {n: torch.nn.Parameter(distribute_tensor(t, mesh, place[n], src_data_rank=None))
+                      for n, t in full_params().items()}
+            opt = MuonAdamW(_groups(params, names), layout="block", ns_dtype="float64",
+                            options=EngineOptions(tile_size=4, shard_tile_size=4))
+            for grads in full_grads(steps):
+                for n, p in params.items():
+                    p.grad = distribute_tensor(grads[n], mesh, place[n], src_data_rank=None)
+                opt.step()
+            for n, shape in SPEC:
+                shape2 = shape if len(shape) == 2 else (shape[0], 1)
+                idx = [local_indices(shape2[a], a, mesh_shape, place[n], coord) for a in range(2)]
+                _put(got[n], params[n].to_local(), *idx)
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), (n, (got[n] - ref[n]).abs().max())
