@@ -62,7 +62,7 @@ def reference_opts(model, cfg):
             decay.append(p)
     assert muon and no_decay
     opts = [torch.optim.Muon(muon, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
-                             nesterov=cfg.muon_nesterov, ns_coefficients=tuple(cfg.muon_ns_coefficients),
+                             nesterov=cfg.muon_nesterov, ns_coefficients=tuple(float(c) for c in cfg.muon_ns_coefficients),
                              eps=cfg.muon_eps, ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr_fn)]
     groups = [{"params": no_decay, "weight_decay": 0.0}]
     if decay:
@@ -138,6 +138,8 @@ def test_bad_options_raise_user_errors():
         build_optimizer(model, cfg_for(muon_layout="block_periodic", muon_full_every=0), 0)
     with pytest.raises(UserError, match="muon_ns_coefficients"):
         build_optimizer(model, cfg_for(muon_ns_coefficients=[1.0, 2.0]), 0)
+    with pytest.raises(UserError, match="muon_ns_coefficients"):
+        build_optimizer(model, cfg_for(muon_ns_coefficients=["a", "2", "3"]), 0)
     with pytest.raises(UserError, match="muon_ns_steps"):
         opt = build_optimizer(model, cfg_for(muon_ns_steps=0), 0)
         loss_of(model, 0).backward()

@@ -41,6 +41,8 @@ class Model:
     qk_norm: bool | None = opt(None, "Per-head RMSNorm on queries and keys (GPT+).")
     mlp: str | None = opt(None, "MLP type.", ("gelu", "swiglu", "relu"))
     tie_embeddings: bool | None = opt(None, "Share input embedding and output head weights.")
+    embed_proj: bool | None = opt(None, "pre_ln: a learnable d x d projection after the token embedding, identity "
+                                        "at init (Outlier-Safe Pre-Training); merged into the embedding on export.")
     dim: int | None = opt(None, "Residual width (overrides the flavor; set by sweeps and Hugging Face imports).")
     n_layers: int | None = opt(None, "Number of blocks (overrides the flavor).")
     n_heads: int | None = opt(None, "Attention heads (overrides the flavor).")
@@ -118,7 +120,8 @@ class Optimizer:
     muon_momentum: float = opt(0.95, "muon: momentum of the momentum buffer.")
     muon_nesterov: bool = opt(True, "muon: Nesterov momentum (the orthogonalised matrix is g + mu * buf).")
     muon_ns_steps: int = opt(5, "muon: Newton-Schulz iterations.")
-    muon_ns_coefficients: list = opt([3.4445, -4.775, 2.0315], "muon: quintic Newton-Schulz coefficients (a, b, c).")
+    muon_ns_coefficients: list = opt(["3.4445", "-4.775", "2.0315"], "muon: quintic Newton-Schulz coefficients "
+                                                                     "(a, b, c).")
     muon_eps: float = opt(1e-7, "muon: the Frobenius norm is clamped to at least eps before Newton-Schulz.")
     muon_adjust_lr_fn: str = opt("original", "muon: per-matrix lr scale: sqrt(max(1, rows/cols)) (original) or "
                                              "0.2 * sqrt(max(rows, cols)) (match_rms_adamw).",

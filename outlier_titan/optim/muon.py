@@ -141,7 +141,7 @@ def muon_param_groups(model: nn.Module, cfg) -> list[dict]:
 
     muon = {"params": [], "names": [], "algorithm": "muon", "lr": cfg.lr, "weight_decay": cfg.weight_decay,
             "momentum": cfg.muon_momentum, "nesterov": cfg.muon_nesterov,
-            "ns_coefficients": tuple(float(c) for c in cfg.muon_ns_coefficients), "ns_steps": cfg.muon_ns_steps,
+            "ns_coefficients": _coefficients(cfg.muon_ns_coefficients), "ns_steps": cfg.muon_ns_steps,
             "eps": cfg.muon_eps, "adjust_lr_fn": cfg.muon_adjust_lr_fn}
     adamw = {"algorithm": "adamw", "lr": cfg.muon_adamw_lr, "betas": (cfg.muon_adamw_beta1, cfg.muon_adamw_beta2),
              "eps": cfg.eps}
@@ -159,6 +159,14 @@ def muon_param_groups(model: nn.Module, cfg) -> list[dict]:
             group["params"].append(p)
             group["names"].append(fqn)
     return [g for g in (muon, decay, no_decay) if g["params"]]
+
+
+def _coefficients(values) -> tuple[float, ...]:
+    try:
+        return tuple(float(c) for c in values)
+    except (TypeError, ValueError):
+        raise UserError(f"optimizer.muon_ns_coefficients = {list(values)} must be three numbers, e.g. "
+                        f"[3.4445, -4.775, 2.0315]") from None
 
 
 def build_muon(model: nn.Module, cfg, seed: int) -> "MuonAdamW":
