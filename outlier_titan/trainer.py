@@ -46,7 +46,8 @@ from outlier_titan.parallel.parallelize import parallelize
 
 
 # Optimizer settings held in param groups that the config owns (restored after a checkpoint load).
-HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay", "momentum", "alpha")
+HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay", "momentum", "alpha",
+                   "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn")  # the last four: Muon's
 
 
 class TrainState:
