@@ -261,3 +261,19 @@ def test_block_layout_is_layout_invariant(layout):
                 _put(got[n], params[n].to_local(), *idx)
     for n in ref:
         assert torch.equal(got[n], ref[n]), (n, (got[n] - ref[n]).abs().max())
+
+
+def test_dry_run_prints_the_split_and_counts_muon_state_bytes(capsys):
+    from pathlib import Path
+
+    from outlier_titan.config.manager import parse_args
+    from outlier_titan.parallel.planning import dry_run
+
+    debug = str(Path(__file__).resolve().parents[1] / "train_configs" / "debug.toml")
+    cfg = parse_args(["--config", debug, "--job.dry_run", "true", "--parallelism.dp_shard", "2",
+                      "--optimizer.name", "muon", "--optimizer.muon_layout", "block"])
+    pl = dry_run(cfg)
+    out = capsys.readouterr().out
+    assert "optimizer split: muon 24 tensors (786,432 elements" in out and "muon_layout block" in out
+    muon_local = 786_432 // 2  # 4 blocks x (4 x 128 x 128 + 2 x 512 x 128), rows or columns halved
+    assert pl.optimizer_bytes == 4 * muon_local + 8 * (pl.local_params - muon_local)
