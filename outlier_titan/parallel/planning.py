@@ -130,9 +130,10 @@ def plan(cfg: JobConfig) -> Plan:
             local += (p_.to_local() if isinstance(p_, DTensor) else p_).numel()
         for block in model.layers.values():
             largest_block = max(largest_block, sum(q.numel() for q in block.parameters()))
-        split, optimizer_bytes = "", _optimizer_bytes_per_element(cfg) * local if cfg.optimizer.name != "muon" else 0.0
         if cfg.optimizer.name == "muon":
             split, optimizer_bytes = _muon_state(model, cfg)
+        else:
+            split, optimizer_bytes = "", _optimizer_bytes_per_element(cfg) * local
     finally:
         dist.destroy_process_group()
     micro = cfg.training.micro_batch_size or cfg.training.global_batch_size // dims.dp
