@@ -61,8 +61,9 @@ def reference_opts(model, cfg):
         else:
             decay.append(p)
     assert muon and no_decay
+    coefficients = tuple(float(c) for c in cfg.muon_ns_coefficients)
     opts = [torch.optim.Muon(muon, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
-                             nesterov=cfg.muon_nesterov, ns_coefficients=tuple(float(c) for c in cfg.muon_ns_coefficients),
+                             nesterov=cfg.muon_nesterov, ns_coefficients=coefficients,
                              eps=cfg.muon_eps, ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr_fn)]
     groups = [{"params": no_decay, "weight_decay": 0.0}]
     if decay:
