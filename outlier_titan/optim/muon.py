@@ -12,8 +12,8 @@ The 2-D hidden matrices go to Muon; token / position embeddings, the output head
 Sharded (DTensor) matrices, ``optimizer.muon_layout``:
 
 * ``full``: each matrix is orthogonalised whole on one owner rank (matrix k of the step goes to rank k mod W,
-  so owners are spread over the ranks). One ``all_to_all_single`` sends every rank's shards of all matrices to
-  their owners, the owners rebuild the full matrices (with the tile engine's shard index arithmetic, which
+  so owners are spread over the ranks). One ``all_to_all_single`` sends the shards of all matrices to their
+  owners (one replica of each shard: with HSDP only the first replica group sends), the owners rebuild the full matrices (with the tile engine's shard index arithmetic, which
   covers FSDP over TP's ``_StridedShard``), run Newton–Schulz, and a second ``all_to_all_single`` returns
   each rank its own block. Two collectives per step for all matrices (not two per matrix as gather / scatter
   would need), balanced over the ranks; the wire carries the Newton–Schulz dtype (bfloat16 by default), which
@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.optim.adamw import adamw as adamw_update
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from outlier_titan.errors import UserError
 from outlier_titan.optim.tile_engine import EngineOptions, local_indices, plan_param, to_tiles, from_tiles
@@ -329,8 +330,10 @@ class MuonAdamW(torch.optim.Optimizer):
             for (g, p, n, _), (ortho, scale) in zip(sharded, self._exchange(sharded)):
                 self._apply(g, p, ortho, scale)
 
-    def _indices(self, p: DTensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per global rank r: the global row and column indices of r's local shard of ``p``."""
+    def _indices(self, p: DTensor) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """Per global rank r: the global row and column indices of r's local shard of ``p``, and whether r sends
+        that shard to the owner (only the first replica of a shard does: coordinate 0 on every mesh dim that does
+        not shard ``p``, e.g. HSDP's replicate dim)."""
         key = (tuple(p.shape), tuple(p.placements), id(p.device_mesh))
         if key not in self._index_cache:
             mesh = p.device_mesh
@@ -343,7 +346,9 @@ class MuonAdamW(torch.optim.Optimizer):
             for coord in torch.cartesian_prod(*[torch.arange(s) for s in ranks.shape]).reshape(-1, ranks.ndim):
                 c = coord.tolist()
                 r = int(ranks[tuple(c)])
-                out[r] = tuple(local_indices(p.shape[a], a, tuple(ranks.shape), p.placements, c) for a in (0, 1))
+                sends = all(c[d] == 0 for d, pl in enumerate(p.placements)
+                            if not isinstance(pl, (Shard, _StridedShard)))
+                out[r] = (*(local_indices(p.shape[a], a, tuple(ranks.shape), p.placements, c) for a in (0, 1)), sends)
             self._index_cache[key] = out
         return self._index_cache[key]
 
@@ -356,12 +361,13 @@ class MuonAdamW(torch.optim.Optimizer):
         wire = min((items[0][3].dtype, self.ns_dtype), key=lambda d: torch.finfo(d).bits)  # NS casts first
         idx = [self._indices(p) for _, p, _, _ in items]
         device = items[0][3].device
-        # 1. every rank sends its shard of matrix k to owner[k]
+        # 1. the first replica of every shard of matrix k sends it to owner[k]
         send = [[] for _ in range(world)]
         for k, (_, _, _, u) in enumerate(items):
-            send[owner[k]].append(u.to(wire).reshape(-1).view(torch.uint8))
-        recv_sizes = [sum(len(idx[k][s][0]) * len(idx[k][s][1]) for k in range(len(items)) if owner[k] == me)
-                      * _bytes(wire) for s in range(world)]
+            if idx[k][me][2]:
+                send[owner[k]].append(u.to(wire).reshape(-1).view(torch.uint8))
+        recv_sizes = [sum(len(idx[k][s][0]) * len(idx[k][s][1]) for k in range(len(items))
+                          if owner[k] == me and idx[k][s][2]) * _bytes(wire) for s in range(world)]
         got = _all_to_all(send, recv_sizes, device)
         self.bytes_sent += sum(sum(t.numel() for t in send[r]) for r in range(world) if r != me)
         # 2. the owner rebuilds and orthogonalises its matrices, and cuts them into the ranks' blocks
@@ -373,14 +379,16 @@ class MuonAdamW(torch.optim.Optimizer):
                 continue
             full = torch.empty(tuple(p.shape), dtype=wire, device=device)
             for s in range(world):
-                r_idx, c_idx = idx[k][s]
+                r_idx, c_idx, sent = idx[k][s]
+                if not sent:
+                    continue
                 nbytes = len(r_idx) * len(c_idx) * _bytes(wire)
                 piece = got[s][offsets[s]:offsets[s] + nbytes].view(wire).reshape(len(r_idx), len(c_idx))
                 offsets[s] += nbytes
                 full[r_idx[:, None], c_idx[None, :]] = piece
             ortho, scales[k] = self._ns_full(g, n, full)
             for s in range(world):
-                r_idx, c_idx = idx[k][s]
+                r_idx, c_idx, _ = idx[k][s]
                 back[s].append(ortho[r_idx[:, None], c_idx[None, :]].contiguous().reshape(-1).view(torch.uint8))
         out_dtype = self.ns_dtype
         mine_sizes = [sum(len(idx[k][me][0]) * len(idx[k][me][1]) for k in range(len(items)) if owner[k] == r)
