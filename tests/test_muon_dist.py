@@ -47,7 +47,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 for n, p in params.items():
                     p.grad = distribute_tensor(grads[n], mesh, place[n], src_data_rank=None)
                 opt.step()
-            results[(layout, mode)] = ({n: p.full_tensor() for n, p in params.items()}, opt.bytes_sent)
+            sent = [None] * world
+            dist.all_gather_object(sent, opt.bytes_sent)
+            results[(layout, mode)] = ({n: p.full_tensor() for n, p in params.items()}, sent)
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -69,4 +71,13 @@ def test_full_layout_is_bitwise_one_process_muon_at_every_layout(sharded, layout
     got, sent = sharded[(layout, mode)]
     for n, want in ref.items():
         assert torch.equal(got[n], want), (n, (got[n] - want).abs().max().item())
-    assert sent > 0  # the full steps moved shards through the all-to-all
+    assert min(sent) > 0  # the full steps moved shards through the all-to-all
+
+
+def test_hsdp_sends_one_replica_of_each_shard(sharded):
+    """HSDP 2 x 2, 3 full steps, bfloat16 on the wire. Hidden matrices wq, wo (16 x 16), w1 (32 x 16), w2 (16 x 32)
+    are owned by ranks 0, 1, 2, 3; each rank holds half of each; only replica group 0 (ranks 0 and 1) sends.
+    To the owners: 128 (wq, from rank 1) + 128 (wo, from 0) + 2 x 256 (w1) + 2 x 256 (w2) = 1280 elements;
+    back: each owner to its 3 peers, 3 x (128 + 128 + 256 + 256) = 2304. (Every replica sending would add 1024.)"""
+    _, sent = sharded[("hsdp", "full")]
+    assert sum(sent) == 3 * (1280 + 2304) * 2
