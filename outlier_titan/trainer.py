@@ -46,7 +46,8 @@ from outlier_titan.parallel.parallelize import parallelize
 
 
 # Optimizer settings held in param groups that the config owns (restored after a checkpoint load).
-HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay", "momentum", "alpha")
+HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay", "momentum", "alpha",
+                   "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn")  # the last four: Muon's
 
 
 class TrainState:
@@ -224,6 +225,8 @@ class Trainer:
         self.model.train()
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, seed=cfg.training.seed)
+        if hasattr(self.optimizer, "describe"):  # e.g. Muon's parameter split
+            self.log0(self.optimizer.describe())
         if cfg.compile.enable and isinstance(self.optimizer, TileAdamBase):
             self.optimizer.compile_math()
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)

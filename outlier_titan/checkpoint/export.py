@@ -224,12 +224,15 @@ def export_model(source: str | Path, out: str | Path, fmt: str = "auto",
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} already exists and is not empty; pass a new folder (nothing was written)")
     model, cfg, tok = load_pretrained(source, need_tokenizer=False)
-    args = model.args
+    from outlier_titan.models.embed_proj import merge_embed_proj
+
+    state, args = merge_embed_proj({k: v.detach() for k, v in model.state_dict().items()}, model.args)
+    if args is not model.args:  # the projection is folded into the embedding: export the plain architecture
+        cfg.model.embed_proj, cfg.model.tie_embeddings = False, args.tie_embeddings
     adapter, why = adapter_for_args(args) if cfg.model.name == "pre_ln" else (None, f"model.name = {cfg.model.name!r}")
     if fmt == "hf" and adapter is None:
         raise HFError(f"cannot export to HF: {why}; use --format safetensors (weights + config.toml)")
     fmt = "hf" if fmt == "auto" and adapter is not None else ("safetensors" if fmt == "auto" else fmt)
-    state = {k: v.detach() for k, v in model.state_dict().items()}
     if fmt == "hf":
         files = write_hf_folder(out, adapter.hf_config(args) | {"torch_dtype": "float32"}, adapter.to_hf(state, args),
                                 max_shard_bytes)

@@ -309,6 +309,8 @@ BREAKING = {
         "tile_size", "shard_tile_size", "max_shards", "tile_size_overrides", "tile_alignment", "basis",
         "max_precond_dim", "vocab_axis", "one_d",
         "soap_factor_dtype", "no_decay")},
+    # (no optimizer.muon_* key: Muon's state is a momentum buffer beside each shard whatever muon_layout, so a run
+    # may resume with another layout; the Muon / AdamW split follows the model and no_decay, both listed)
     "training.seq_len": "positions and data windows differ",
     "training.global_batch_size": "the data position and tokens per step differ",
     "training.seed": "the data order and OrthoAdam bases differ",

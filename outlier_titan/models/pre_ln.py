@@ -69,6 +69,7 @@ class PreLNArgs(AttentionArgs):
     rope_theta: float = 10000.0
     rope_fraction: float = 1.0
     init_std: float = 0.02
+    embed_proj: bool = False  # OSP's learnable projection after the token embedding (models/embed_proj.py)
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -139,6 +140,7 @@ class PreLNTransformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.embed_proj = nn.Linear(args.dim, args.dim, bias=False) if args.embed_proj else None
         self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim) if args.pos_encoding == "learned" else None
         # One rotary table shared by all blocks (a non-persistent buffer, not a parameter).
         self.rope = (build_rope(args.dim // args.n_heads, args.max_seq_len, args.rope_theta, args.rope_fraction)
@@ -149,6 +151,8 @@ class PreLNTransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)
         if self.pos_embeddings is not None:
             x = x + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.layers.values():
@@ -163,6 +167,8 @@ class PreLNTransformer(nn.Module):
         """GPT-2 init: N(0, std) everywhere, residual output projections N(0, std / sqrt(2 L))."""
         a = self.args
         init.normal(self.tok_embeddings.weight, a.init_std)
+        if self.embed_proj is not None:
+            init.value(self.embed_proj.weight, torch.eye(a.dim))
         if self.pos_embeddings is not None:
             init.normal(self.pos_embeddings.weight, a.init_std)
         for block in self.layers.values():
@@ -219,6 +225,9 @@ FLAVORS = {
 
 
 def _tp_plan(model, tp_mesh, args):
+    if args.embed_proj:
+        raise ConfigError("model.embed_proj has no tensor-parallel plan; train it with parallelism.tp = 1 "
+                          "(FSDP / HSDP)")
     from outlier_titan.parallel.tensor_parallel import apply_standard_tp
     apply_standard_tp(model, tp_mesh, args, loss_parallel=True)
 

@@ -90,6 +90,18 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
 }
 
 
+ModelOptimizerFactory = Callable[[nn.Module, OptimizerConfig, int], torch.optim.Optimizer]
+
+
+def _muon(model, cfg, seed):
+    from outlier_titan.optim.muon import build_muon
+    return build_muon(model, cfg, seed)
+
+
+MODEL_OPTIMIZERS: dict[str, ModelOptimizerFactory] = {"muon": _muon}
+"""Optimizers that split the model's parameters themselves (Muon: hidden matrices vs the rest)."""
+
+
 def register_optimizer(name: str, factory: OptimizerFactory) -> None:
     """Adds an optimizer name usable as ``optimizer.name``."""
     OPTIMIZERS[name] = factory
@@ -97,6 +109,9 @@ def register_optimizer(name: str, factory: OptimizerFactory) -> None:
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, seed: int) -> torch.optim.Optimizer:
     """Builds the configured optimizer over the model's (possibly DTensor) parameters."""
+    if cfg.name in MODEL_OPTIMIZERS:
+        return MODEL_OPTIMIZERS[cfg.name](model, cfg, seed)
     if cfg.name not in OPTIMIZERS:
-        raise UserError(f"optimizer.name = {cfg.name!r} is not available; choose one of: {', '.join(OPTIMIZERS)}")
+        raise UserError(f"optimizer.name = {cfg.name!r} is not available; choose one of: "
+                        f"{', '.join([*OPTIMIZERS, *MODEL_OPTIMIZERS])}")
     return OPTIMIZERS[cfg.name](build_param_groups(model, cfg), cfg, seed)

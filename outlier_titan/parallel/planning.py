@@ -41,6 +41,7 @@ class Plan:
     gather_bytes: float
     tokenizer: str = ""
     vocab_size: int = 0
+    optimizer_split: str = ""  # muon: which parameters go to Muon and which to AdamW
 
     @property
     def total_bytes(self) -> float:
@@ -58,6 +59,18 @@ def _optimizer_bytes_per_element(cfg: JobConfig) -> float:
         factor_bytes = 8 if cfg.optimizer.soap_factor_dtype == "float64" else 4
         return 8.0 + 2 * factor_bytes + 2 * 4
     return OPTIMIZER_STATE_BYTES[name]
+
+
+def _muon_state(model, cfg: JobConfig) -> tuple[str, float]:
+    """Muon: the split line, and this rank's state bytes: an fp32 momentum buffer per Muon element, AdamW's two
+    fp32 moments per other element (the ``full`` layout's transient owner buffers are not counted)."""
+    from outlier_titan.optim.muon import muon_param_groups, split_summary
+
+    groups = muon_param_groups(model, cfg.optimizer)
+    per = {"muon": 4, "adamw": 8}
+    total = sum(per[g["algorithm"]] * (p.to_local() if isinstance(p, DTensor) else p).numel()
+                for g in groups for p in g["params"])
+    return split_summary(groups), float(total)
 
 
 def activation_bytes(cfg: JobConfig, dims: ParallelDims, n_layers: int, dim: int, n_heads: int,
@@ -117,12 +130,16 @@ def plan(cfg: JobConfig) -> Plan:
             local += (p_.to_local() if isinstance(p_, DTensor) else p_).numel()
         for block in model.layers.values():
             largest_block = max(largest_block, sum(q.numel() for q in block.parameters()))
+        if cfg.optimizer.name == "muon":
+            split, optimizer_bytes = _muon_state(model, cfg)
+        else:
+            split, optimizer_bytes = "", _optimizer_bytes_per_element(cfg) * local
     finally:
         dist.destroy_process_group()
     micro = cfg.training.micro_batch_size or cfg.training.global_batch_size // dims.dp
     return Plan(
         world_size=world, n_params=n_params, flops_per_token=fpt, local_params=local,
-        param_bytes=4 * local, grad_bytes=4 * local, optimizer_bytes=_optimizer_bytes_per_element(cfg) * local,
+        param_bytes=4 * local, grad_bytes=4 * local, optimizer_bytes=optimizer_bytes, optimizer_split=split,
         activation_bytes=activation_bytes(cfg, dims, n_layers, dim, n_heads, vocab, micro, compute_bytes),
         # FSDP all-gathers one block at a time (plus one prefetched) in the compute dtype, TP-sharded.
         gather_bytes=2 * largest_block / dims.tp * compute_bytes,
@@ -143,6 +160,8 @@ def dry_run(cfg: JobConfig) -> Plan:
     print(f"  parameters        {pl.n_params:,} ({pl.n_params / 1e9:.3f} B)")
     print(f"  FLOPs per token   {pl.flops_per_token:.4g} (6N + causal attention, seq_len {cfg.training.seq_len})")
     print(f"  per-rank params   {pl.local_params:,}")
+    if pl.optimizer_split:
+        print(f"  {pl.optimizer_split} | muon_layout {cfg.optimizer.muon_layout}")
     rows = [("parameters (fp32)", pl.param_bytes), ("gradients (fp32)", pl.grad_bytes),
             (f"optimizer state ({cfg.optimizer.name})", pl.optimizer_bytes),
             (f"activations (estimate, AC {cfg.activation_checkpoint.mode})", pl.activation_bytes),
