@@ -266,3 +266,34 @@ def test_new_schemes_keep_the_head_in_full_precision():
             assert not SCHEMES[n].head, n
     assert SCHEMES["w4a4kv4_rtn_hadamard"].seeded and SCHEMES["w4a16_gptq"].seeded
     assert not SCHEMES["w4a4kv4_rtn"].seeded
+
+
+# ------------------------------------------------------------------------------------------ evaluate.py
+
+
+def test_evaluate_script_runs_the_new_schemes_on_an_hf_gpt2_folder(tmp_path, capsys):
+    """tests/test_hf.py runs every scheme on a tiny HF Llama folder; here the GPT-2 family (LayerNorm, biases,
+    learned positions, tied head) with the 4-bit schemes and their rotations."""
+    import json
+
+    from tests.test_evaluate import load_script
+    from tests.test_hf import _corpus, tiny_gpt2
+
+    folder = tiny_gpt2(tmp_path / "gpt2")
+    corpus = _corpus(tmp_path / "corpus", n_docs=3, words=1500)
+    names = ["w8a8_dynamic", "w4a4kv4_rtn", "w4a4kv4_rtn_hadamard", "w4a4kv4_gptq", "w4a4kv4_gptq_hadamard"]
+    capsys.readouterr()
+    rc = load_script("evaluate").main(["--hf", str(folder), "--tokenizer", "embedded", "--data", str(corpus),
+                                       "--tokens", "128", "--batch-size", "2", "--seq-len", "32",
+                                       "--calib-batches", "1", "--calib-seeds", "2", "--device", "cpu",
+                                       "--schemes", ",".join(names)])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    report = json.loads((folder / "eval" / "model.json").read_text())
+    rows = {e["scheme"]: e for e in report["schemes"]}
+    assert list(rows) == names
+    for name, e in rows.items():
+        assert math.isfinite(e["ppl"]) and len(e["ppl_runs"]) == (2 if SCHEMES[name].seeded else 1), name
+    assert "head untied" in rows["w4a4kv4_rtn_hadamard"]["rotation"]["residual_rotation"]
+    assert "LayerNorm" in rows["w4a4kv4_rtn_hadamard"]["rotation"]["residual_rotation"]
+    assert "Rotated schemes (`_hadamard`, QuaRot)" in out.out and "| w4a4kv4_gptq_hadamard |" in out.out
