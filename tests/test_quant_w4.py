@@ -11,7 +11,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from outlier_titan.models.init import Initializer
-from outlier_titan.models.layers import Attention
 from outlier_titan.models.pre_ln import GPT2, LLAMA, PreLNArgs, PreLNTransformer
 from outlier_titan.quant import quantizers as qz
 from outlier_titan.quant.gptq import channel_scales, gptq_quantize, rtn_grid_quantize
