@@ -19,7 +19,7 @@
 
 Hadamard matrices: Sylvester's for powers of two, Paley's construction I for ``m`` with ``m - 1`` a prime
 ``= 3 (mod 4)`` (12, 20, 24, 44, 48, 60, ...), and Kronecker products of the two; a size with no such factorisation
-(e.g. ``d = 2^k * 3``, 5, 7, 9) gets a seeded random orthogonal matrix instead, which keeps the function exact but
+(e.g. 3, 6, 36, 5, 7, 9) gets a seeded random orthogonal matrix instead, which keeps the function exact but
 spreads outliers less evenly; :func:`rotate` reports which was used.
 
 Residual rotation is implemented for the ``pre_ln`` spec (LayerNorm, RMSNorm, single-scale RMSNorm, gain-less
@@ -161,8 +161,9 @@ def rotate(model: nn.Module, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
         info["residual_rotation"] = _rotate_pre_ln(rot, seed)
     else:
         info["residual_rotation"] = (
-            f"not applied: {type(model).__name__} is not rotation invariant as built here (elementwise scales or "
-            f"per-channel interpolation act on the residual stream); only the online Hadamards are applied")
+            f"not applied to {type(model).__name__}: implemented for pre_ln only (OP scales the residual stream "
+            f"elementwise, nGPT / anGPT interpolate it per channel; neither commutes with a rotation); only the "
+            f"online Hadamards, which are exact, are applied")
     info["online"] = _online_hadamards(rot, seed)
     return rot, info
 
