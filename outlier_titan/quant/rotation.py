@@ -13,9 +13,12 @@
    matrix: embeddings ``E <- E Q``, readers ``W <- W Q``, writers ``W <- Q^T W`` and ``b <- Q^T b``. A
    gain-less RMSNorm commutes with ``Q`` (``rms(x Q) = rms(x)``), so the function is unchanged.
 5. Online Hadamards (any spec): the inputs of every ``wo`` (the attention output, all heads) and ``w2`` (the MLP's
-   down projection) are multiplied by ``H`` in a forward pre-hook and the weight by ``W <- W H``. K and V get a
-   per-head Hadamard inside the KV quantiser (``quant/ptq.py``: ``k^ = Q(k H) H^T``; ``q k^T`` and ``P v`` are
-   unchanged in full precision, the cache is quantised in the rotated basis).
+   down projection) are multiplied by ``D H`` in a forward pre-hook and the weight by ``W <- W D H``. K and V get a
+   per-head ``D H`` inside the KV quantiser (``quant/ptq.py``: ``k^ = Q(k D H) (D H)^T``; ``q k^T`` and ``P v`` are
+   unchanged in full precision, the cache is quantised in the rotated basis). ``D`` are seeded random signs:
+   QuaRot's online Hadamards are plain, but a plain Hadamard's first row (all ones) collects an input's mean into
+   one coordinate, which for a GELU MLP (outputs mostly positive) creates an outlier instead of removing one
+   (measured in docs/quantisation.md); the signs make the mean vanish in expectation.
 
 Hadamard matrices: Sylvester's for powers of two, Paley's construction I for ``m`` with ``m - 1`` a prime
 ``= 3 (mod 4)`` (12, 20, 24, 44, 48, 60, ...), and Kronecker products of the two; a size with no such factorisation
@@ -134,7 +137,7 @@ def _online_hadamards(model: nn.Module, seed: int) -> list[str]:
             lin = getattr(mod, name, None)
             if not isinstance(lin, nn.Linear) or getattr(lin, "_online_hadamard", False):
                 continue
-            h, kind = orthogonal(lin.in_features, seed, randomise=False)
+            h, kind = orthogonal(lin.in_features, seed, randomise=True)
             kinds.add(f"{name}: {kind}")
             h = h.to(lin.weight.device)
             _set(lin.weight, lin.weight.double() @ h)
@@ -145,8 +148,8 @@ def _online_hadamards(model: nn.Module, seed: int) -> list[str]:
 
 
 def kv_rotations(model: nn.Module, seed: int) -> dict[Attention, torch.Tensor]:
-    """The per-head Hadamard for K and V of every attention module (float64, order head_dim)."""
-    return {m: orthogonal(m.head_dim, seed, randomise=False)[0].to(m.wq.weight.device)
+    """The per-head randomised Hadamard for K and V of every attention module (float64, order head_dim)."""
+    return {m: orthogonal(m.head_dim, seed, randomise=True)[0].to(m.wq.weight.device)
             for m in model.modules() if isinstance(m, Attention)}
 
 
