@@ -14,7 +14,9 @@ colour range; the same labelled pictures as TensorBoard's), and prints the table
 
 Schemes: int8_fine, int8_fine_token, int8_moderate, int8_coarse (seed 000 absmax int8), int4_zeropoint (seed
 000), w8a8_static (seed 002: calibrated on ``--calib-batches`` training batches per seed, ``--calib-seeds``
-seeds, reported as mean ± std). See ``outlier_titan/quant/ptq.py``.
+seeds, reported as mean ± std); w8a8_dynamic, w4a16_rtn, w4a4kv4_rtn, w4a16_gptq, w4a4kv4_gptq and their
+``_hadamard`` (QuaRot-rotated) variants: GPTQ calibrates on the same batches per seed, a rotation draws its
+random signs from the seed. See ``outlier_titan/quant/ptq.py`` and ``docs/quantisation.md``.
 
 ``--hf PATH`` evaluates an imported model: a Hugging Face GPT-2 / Llama folder or an export of
 ``scripts/export.py`` (report default ``PATH/eval/model.json``). Its tokenizer is the folder's
@@ -55,8 +57,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: training.seq_len)")
-    p.add_argument("--calib-batches", type=int, default=4, help="w8a8_static: calibration batches per seed")
-    p.add_argument("--calib-seeds", type=int, default=3, help="w8a8_static: calibration seeds (mean ± std)")
+    p.add_argument("--calib-batches", type=int, default=4, help="w8a8_static and GPTQ: calibration batches per seed")
+    p.add_argument("--calib-seeds", type=int, default=3,
+                   help="w8a8_static, GPTQ and rotated schemes: seeds (mean ± std)")
     p.add_argument("--probe-sequences", type=int, default=None,
                    help="validation sequences for the probe metrics (default: observe.batch_size x 4)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),

@@ -117,10 +117,19 @@ def test_evaluate_model_reports_every_scheme():
         assert math.isfinite(e["ppl"]) and e["delta"] == pytest.approx(e["ppl"] - fp)
         assert e["ppl"] != fp, e["scheme"]  # quantisation changes the model
     w8 = next(e for e in report["schemes"] if e["scheme"] == "w8a8_static")
-    assert len(w8["ppl_runs"]) == 2 and calls == [0, 1] and w8["head"] == "fp (tied to the embedding)"
+    assert len(w8["ppl_runs"]) == 2 and w8["head"] == "fp (tied to the embedding)"
+    assert calls == [0, 1] * sum(SCHEMES[n].calibrate for n in SCHEMES)
+    for e in report["schemes"]:  # calibrated and rotated schemes run once per seed
+        assert len(e["ppl_runs"]) == (2 if SCHEMES[e["scheme"]].seeded else 1), e["scheme"]
+        assert ("rotation" in e) == SCHEMES[e["scheme"]].rotate, e["scheme"]
+    rot = next(e for e in report["schemes"] if e["scheme"] == "w4a4kv4_rtn_hadamard")
+    assert rot["head"] == "fp" and "randomised Hadamard 128" in rot["rotation"]["residual_rotation"]
     assert "outliers/kurtosis_first" in report["probe"] and "outliers/attention_map" in images
-    progress = s.getvalue()  # one tqdm bar over full precision + every scheme run (2 seeds for w8a8_static)
-    assert progress.count("100%") == 1 and "w8a8_static (calibration seed 1): 100%" in progress
+    progress = s.getvalue()  # one tqdm bar over full precision + every scheme run (2 seeds for seeded schemes)
+    # (one bar: closed once; its last refresh may repeat at close when the final update was drawn)
+    assert progress.count("\n") == 1 and progress.count("0.00/") == 1
+    assert progress.rstrip().split("\r")[-1].startswith("w4a4kv4_gptq_hadamard (calibration seed 1): 100%")
+    assert "w4a4kv4_rtn_hadamard (rotation seed 1)" in progress
     # the model is restored after every scheme
     assert perplexity(m, evals, "cpu").ppl == pytest.approx(fp, rel=1e-12)
     table = markdown({**report, "checkpoint": "x/step-1"})

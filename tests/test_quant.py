@@ -233,10 +233,12 @@ def test_every_scheme_runs_on_the_debug_model():
         ref = m(tokens)
         for name in SCHEMES:
             with quantized(m, name, calib_batches=[tokens]) as info:
-                out = m(tokens)
+                out = info["model"](tokens)
             assert torch.isfinite(out).all(), name
             assert 0 < (out - ref).abs().max() < ref.abs().max(), name
-            assert info["linear_layers"] == 4 * 7 + (0 if name == "w8a8_static" else 1), name
+            assert info["linear_layers"] == 4 * 7 + SCHEMES[name].head, name
+            assert info["kv_cache"] == (4 if SCHEMES[name].kv_bits else 0), name
+            assert (info["model"] is m) == (not SCHEMES[name].rotate), name
         assert torch.equal(m(tokens), ref)
 
 

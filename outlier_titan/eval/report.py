@@ -41,6 +41,11 @@ def markdown(report: dict[str, Any]) -> str:
     for e in report["schemes"]:
         ppl = _fmt(e["ppl"]) + (f" ± {_fmt(e['ppl_std'])}" if len(e["ppl_runs"]) > 1 else "")
         lines.append(f"| {e['scheme']} | {ppl} | {_fmt(e['delta'])} | {e['head']} | {e['description']} |")
+    rotated = next((e["rotation"] for e in report["schemes"] if e.get("rotation")), None)
+    if rotated:
+        lines += ["", f"Rotated schemes (`_hadamard`, QuaRot): {rotated['residual_rotation']}; online: "
+                      f"{', '.join(rotated['online'])}; K and V per head. ± is the spread over calibration seeds "
+                      f"(GPTQ, static ranges) or rotation seeds (random signs)."]
     probe = report.get("probe") or {}
     rows = [(k, probe[f"outliers/{k}"]) for k in SUMMARY_METRICS if f"outliers/{k}" in probe]
     if rows:

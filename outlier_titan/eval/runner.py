@@ -27,15 +27,16 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
                    ) -> tuple[dict, dict[str, np.ndarray]]:
     """The report dict (see :mod:`outlier_titan.eval.report`) and the probe pictures.
 
-    ``calib_batches(seed)`` gives the calibration token batches of static schemes; each such scheme is run
-    once per seed in ``calib_seeds`` and reported as mean ± std (seed 002's protocol uses 3 seeds).
+    ``calib_batches(seed)`` gives the calibration token batches of static and GPTQ schemes; each such scheme, and
+    each rotated scheme (its random signs), is run once per seed in ``calib_seeds`` and reported as mean ± std
+    (seed 002's protocol uses 3 seeds).
     """
     unknown = [s for s in schemes if s not in SCHEMES]
     if unknown:
         raise ValueError(f"unknown quantisation scheme(s) {', '.join(unknown)}; available: {', '.join(SCHEMES)}")
     model.eval()
     total = sum(labels.numel() for _, labels in eval_batches)
-    runs = 1 + sum(len(calib_seeds) if SCHEMES[name].calibrate else 1 for name in schemes)
+    runs = 1 + sum(len(calib_seeds) if SCHEMES[name].seeded else 1 for name in schemes)
     # one bar over every perplexity pass (full precision, then each scheme and calibration seed)
     with tqdm(total=total * runs, desc="full precision", unit="tok", unit_scale=True, file=stream,
               dynamic_ncols=True) as bar:
@@ -45,15 +46,18 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
         entries = []
         for name in schemes:
             scheme = SCHEMES[name]
-            seeds = list(calib_seeds) if scheme.calibrate else [None]
-            ppls, head, weights = [], "", {}
+            seeds = list(calib_seeds) if scheme.seeded else [None]
+            ppls, head, weights, rotation = [], "", {}, None
             for seed in seeds:
                 calib = [t.to(device) for t in calib_batches(seed)] if scheme.calibrate else None
-                bar.set_description(name if seed is None else f"{name} (calibration seed {seed})")
-                with quantized(model, scheme, calib, weight_cache=weights) as info:
-                    ppls.append(perplexity(model, eval_batches, device, bar).ppl)
-                head = info["head"]
+                bar.set_description(name if seed is None else
+                                    f"{name} ({'calibration' if scheme.calibrate else 'rotation'} seed {seed})")
+                with quantized(model, scheme, calib, weight_cache=weights, seed=seed or 0) as info:
+                    ppls.append(perplexity(info["model"], eval_batches, device, bar).ppl)
+                head, rotation = info["head"], info.get("rotation")
             entries.append(scheme_entry(name, scheme.description, head, ppls, fp.ppl))
+            if rotation is not None:
+                entries[-1]["rotation"] = rotation
     report = {
         "tokens": fp.tokens,
         "seq_len": int(eval_batches[0][0].shape[1]),

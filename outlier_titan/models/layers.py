@@ -156,6 +156,8 @@ class Attention(nn.Module):
                    if self.softmax in GATED else None)
         self.prob_hook: Callable[[torch.Tensor], None] | None = None
         self.head_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        # post-training KV-cache fake quantisation (quant/ptq.py): (k, v) after RoPE -> (k^, v^)
+        self.kv_quant: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, D] -> q, k, v as [B, H_local, T, d_h], with QK-norm and RoPE applied."""
@@ -167,6 +169,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(q), self.rope(k)
+        if self.kv_quant is not None:
+            k, v = self.kv_quant(k, v)
         return q, k, v
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:

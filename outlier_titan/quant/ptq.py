@@ -24,6 +24,26 @@ w8a8_static (seed 002)    int8 symmetric, per tensor, MSE      uint8 asymmetric,
                           clip                                 static calibrated ranges         (+ residual)
 ========================  ==================================  ==============================  ==============
 
+Today's 4-bit schemes (QuaRot's conventions, Ashkboos et al. 2024, arXiv 2404.00456; head in full precision;
+embeddings, norms, queries, softmax and the QK^T / PV matmuls in full precision):
+
+=========================  ===========================================  ============================  ===============
+name                       weights                                      linear inputs                 K and V (cache)
+=========================  ===========================================  ============================  ===============
+w8a8_dynamic               int8 symmetric absmax, per output channel    int8 symmetric absmax,        -
+                                                                        per token, dynamic
+w4a16_rtn                  int4 symmetric absmax, per output channel    -                             -
+w4a4kv4_rtn                int4 symmetric absmax, per output channel    int4 symmetric absmax,        int4 asymmetric
+                                                                        per token, dynamic            per head, token
+w4a16_gptq, w4a4kv4_gptq   GPTQ on the int4 per-channel grid            as the _rtn scheme            as _rtn
+``<scheme>_hadamard``      the same after a QuaRot rotation (quant/rotation.py): norms folded, residual stream
+                           rotated by a seeded randomised Hadamard, online Hadamards on the wo and w2 inputs and on
+                           K and V per head
+=========================  ===========================================  ============================  ===============
+
+GPTQ schemes calibrate on the report's calibration batches (one run per calibration seed); rotated schemes draw the
+random signs from the same seed, so both report a spread over seeds.
+
 Seed 000 leaves the LM head unstated: its schemes quantise an untied head (a linear layer) and leave a tied
 head (the embedding matrix) in full precision. Seed 002 keeps the head in full precision. The applied choice
 is reported by :func:`quantized`. Seed 000's "per-channel activations" is read as per feature channel
@@ -33,13 +53,16 @@ is reported by :func:`quantized`. Seed 000's "per-channel activations" is read a
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
 
+from outlier_titan.models.layers import Attention
 from outlier_titan.quant import quantizers as qz
+from outlier_titan.quant.gptq import gptq_model
+from outlier_titan.quant.rotation import kv_rotations, rotate
 
 
 @dataclass(frozen=True)
@@ -52,6 +75,17 @@ class Scheme:
     head: bool  # quantise an untied LM head
     calibrate: bool = False
     quantize_residual: bool = False  # static only: the residual stream at block boundaries (seed 002)
+    # --- 4-bit schemes (issue 27) ---
+    act_bits: int = 8  # dynamic activation quantisers: symmetric absmax at this width
+    kv_bits: int | None = None  # K and V after RoPE: asymmetric per head, token and group of kv_group channels
+    kv_group: int | None = None  # None: the whole head dim
+    rotate: bool = False  # QuaRot rotation first (quant/rotation.py)
+    gptq_bits: int | None = None  # GPTQ weights on the symmetric per-channel grid (quant/gptq.py)
+
+    @property
+    def seeded(self) -> bool:
+        """Whether runs differ by seed (calibration batches or random rotation signs)."""
+        return self.calibrate or self.rotate
 
 
 def _w_int8_channel(w: torch.Tensor) -> torch.Tensor:
@@ -64,6 +98,10 @@ def _w_int8_tensor(w: torch.Tensor) -> torch.Tensor:
 
 def _w_int4_zeropoint(w: torch.Tensor) -> torch.Tensor:
     return qz.zeropoint_quantize(w, 4, reduce_dims=(1,))
+
+
+def _w_int4_channel(w: torch.Tensor) -> torch.Tensor:
+    return qz.absmax_quantize(w, 4, reduce_dims=(1,))
 
 
 def _w_int8_mse(w: torch.Tensor) -> torch.Tensor:
@@ -82,17 +120,44 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("w8a8_static", "W8A8 static: W int8 symmetric MSE per tensor, X and Y uint8 asymmetric "
                           "calibrated per tensor, residual stream at block boundaries too, head FP", _w_int8_mse,
            "static", True, False, calibrate=True, quantize_residual=True),
+    Scheme("w8a8_dynamic", "W8A8 dynamic: W int8 sym. per output channel, X int8 sym. per token, head FP",
+           _w_int8_channel, "token", False, False),
+    Scheme("w4a16_rtn", "W4A16 RTN: W int4 sym. per output channel, head FP", _w_int4_channel, None, False, False),
+    Scheme("w4a4kv4_rtn", "W4A4KV4 RTN: W int4 sym. per output channel, X int4 sym. per token, K/V int4 asym. "
+                          "per head and token, head FP", _w_int4_channel, "token", False, False, act_bits=4,
+           kv_bits=4),
+    Scheme("w4a16_gptq", "W4A16 GPTQ: W int4 sym. per output channel by GPTQ, head FP", None, None, False, False,
+           calibrate=True, gptq_bits=4),
+    Scheme("w4a4kv4_gptq", "W4A4KV4 GPTQ: W as w4a16_gptq, X and K/V as w4a4kv4_rtn, head FP", None, "token", False,
+           False, calibrate=True, act_bits=4, kv_bits=4, gptq_bits=4),
 )}
+# QuaRot-rotated variants of the 4-bit schemes and of w8a8_dynamic
+SCHEMES.update({f"{n}_hadamard": replace(SCHEMES[n], name=f"{n}_hadamard", rotate=True,
+                                          description=SCHEMES[n].description + ", after a QuaRot rotation")
+                for n in ("w8a8_dynamic", "w4a16_rtn", "w4a4kv4_rtn", "w4a16_gptq", "w4a4kv4_gptq")})
 
 
-def _dynamic_act(kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
+def _dynamic_act(kind: str, bits: int = 8) -> Callable[[torch.Tensor], torch.Tensor]:
     if kind == "channel":
-        return lambda x: qz.absmax_quantize(x, 8, reduce_dims=tuple(range(x.dim() - 1)))
+        return lambda x: qz.absmax_quantize(x, bits, reduce_dims=tuple(range(x.dim() - 1)))
     if kind == "token":
-        return lambda x: qz.absmax_quantize(x, 8, reduce_dims=(-1,))
+        return lambda x: qz.absmax_quantize(x, bits, reduce_dims=(-1,))
     if kind == "tensor":
-        return lambda x: qz.absmax_quantize(x, 8, reduce_dims=None)
+        return lambda x: qz.absmax_quantize(x, bits, reduce_dims=None)
     raise ValueError(f"unknown activation granularity {kind!r}")
+
+
+def kv_quantizer(bits: int, group: int | None, rotation: torch.Tensor | None = None
+                 ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """(k, v) [B, H, T, d_h] -> their fake-quantised values: asymmetric per head, token and channel group; with
+    ``rotation`` (orthonormal d_h x d_h) quantised in the rotated basis, ``Q(x R) R^T``."""
+    def fq(x: torch.Tensor) -> torch.Tensor:
+        if rotation is None:
+            return qz.group_zeropoint_quantize(x, bits, group)
+        r = rotation.to(x.device)
+        xr = (x.double() @ r).to(x.dtype)
+        return (qz.group_zeropoint_quantize(xr, bits, group).double() @ r.t()).to(x.dtype)
+    return lambda k, v: (fq(k), fq(v))
 
 
 def linear_targets(model: nn.Module, include_head: bool) -> dict[str, nn.Linear]:
@@ -145,37 +210,45 @@ def calibrate_ranges(model: nn.Module, targets: dict[str, nn.Linear], batches: I
 
 @contextmanager
 def quantized(model: nn.Module, scheme: str | Scheme, calib_batches: Iterable[torch.Tensor] | None = None,
-              weight_cache: dict[str, torch.Tensor] | None = None) -> Iterator[dict]:
-    """Applies a scheme to ``model`` inside the ``with`` block; yields a description of what was quantised.
+              weight_cache: dict[str, torch.Tensor] | None = None, seed: int = 0) -> Iterator[dict]:
+    """Applies a scheme inside the ``with`` block; yields a description of what was quantised, whose ``model``
+    entry is the module to evaluate: ``model`` itself, or for rotated schemes a rotated copy (``model`` is
+    left untouched).
 
-    Static schemes calibrate their activation ranges on ``calib_batches`` (token tensors) with the weights
-    already quantised and the activations in full precision. ``weight_cache`` (a dict, filled on first use)
-    keeps the quantised weights of this scheme so that repeated applications (calibration seeds) skip the
-    weight quantisation, which for the MSE clip search is the expensive part.
+    Static and GPTQ schemes calibrate on ``calib_batches`` (token tensors): static ones their activation ranges
+    with the weights already quantised and the activations in full precision, GPTQ its Hessians. ``seed`` draws
+    the random signs of a rotation. ``weight_cache`` (a dict, filled on first use) keeps the quantised weights of
+    a deterministic weight quantiser so that repeated applications (calibration seeds) skip the weight
+    quantisation, which for the MSE clip search is the expensive part.
     """
     s = SCHEMES[scheme] if isinstance(scheme, str) else scheme
+    if (s.act == "static" or s.gptq_bits) and calib_batches is None:
+        raise ValueError(f"scheme {s.name} needs calibration batches")
+    work, rot_info = rotate(model, seed) if s.rotate else (model, None)
     head = getattr(model, "output", None)
-    targets = linear_targets(model, include_head=s.head)
-    head_state = ("fp (tied to the embedding)" if head is None else
+    targets = linear_targets(work, include_head=s.head)
+    head_state = ("fp (tied to the embedding)" if head is None and not s.rotate else
                   "quantised" if s.head else "fp")
-    saved = {n: lin.weight.detach().clone() for n, lin in targets.items()}
-    stream = residual_stream_points(model) if s.act == "static" and s.quantize_residual else {}
+    saved = {n: lin.weight.detach().clone() for n, lin in targets.items()} if work is model else {}
+    stream = residual_stream_points(work) if s.act == "static" and s.quantize_residual else {}
+    attentions = [m for m in work.modules() if isinstance(m, Attention)] if s.kv_bits else []
     handles = []
     try:
         with torch.no_grad():
-            if s.weight is not None:
+            if s.gptq_bits:
+                gptq_model(work, targets, calib_batches, s.gptq_bits)
+            elif s.weight is not None:
+                cache = weight_cache if not s.rotate else None
                 for name, lin in targets.items():
-                    if weight_cache is not None and name in weight_cache:
-                        lin.weight.copy_(weight_cache[name])
+                    if cache is not None and name in cache:
+                        lin.weight.copy_(cache[name])
                         continue
                     wq = s.weight(lin.weight)
                     lin.weight.copy_(wq)
-                    if weight_cache is not None:
-                        weight_cache[name] = wq.detach().clone()
+                    if cache is not None:
+                        cache[name] = wq.detach().clone()
         if s.act == "static":
-            if calib_batches is None:
-                raise ValueError(f"scheme {s.name} needs calibration batches")
-            ranges, stream_ranges = calibrate_ranges(model, targets, calib_batches, stream=stream)
+            ranges, stream_ranges = calibrate_ranges(work, targets, calib_batches, stream=stream)
             for name, lin in targets.items():
                 p_in, p_out = ranges[name][0].params(8), ranges[name][1].params(8)
                 handles.append(lin.register_forward_pre_hook(
@@ -190,17 +263,26 @@ def quantized(model: nn.Module, scheme: str | Scheme, calib_batches: Iterable[to
                     if where == "input" else
                     block.register_forward_hook(lambda _m, _a, out, p=p: qz.asymmetric_quantize(out, *p, 8)))
         elif s.act is not None:
-            fq = _dynamic_act(s.act)
+            fq = _dynamic_act(s.act, s.act_bits)
             for lin in targets.values():
                 handles.append(lin.register_forward_pre_hook(
                     lambda _m, args, f=fq: (f(args[0]),) + tuple(args[1:])))
                 if s.quantize_output:
                     handles.append(lin.register_forward_hook(lambda _m, _a, out, f=fq: f(out)))
-        yield {"scheme": s.name, "description": s.description, "linear_layers": len(targets), "head": head_state,
-               "residual_points": len(stream)}
+        kv_rot = kv_rotations(work, seed) if s.rotate and attentions else {}
+        for att in attentions:
+            att.kv_quant = kv_quantizer(s.kv_bits, s.kv_group, kv_rot.get(att))
+        info = {"scheme": s.name, "description": s.description, "linear_layers": len(targets), "head": head_state,
+                "residual_points": len(stream), "kv_cache": len(attentions), "model": work}
+        if rot_info is not None:
+            info["rotation"] = rot_info
+        yield info
     finally:
         for h in handles:
             h.remove()
+        for att in attentions:
+            att.kv_quant = None
         with torch.no_grad():
             for n, lin in targets.items():
-                lin.weight.copy_(saved[n])
+                if n in saved:
+                    lin.weight.copy_(saved[n])

@@ -15,6 +15,11 @@ Seed 002 (Bondarenko et al.'s W8A8 recipe, §7 of its spec):
   grid, with lo forced <= 0 and hi >= eps; static (lo, hi) from a running min/max (momentum 0.9) of the
   (0.001 %, 99.999 %) percentiles of calibration batches (:class:`RunningMinMax`).
 
+4-bit schemes (QuaRot's conventions, Ashkboos et al. 2024, arXiv 2404.00456): weights int4 symmetric absmax per
+output channel (grid [-7, 7]); activations int4 symmetric absmax per token (:func:`absmax_quantize` with
+``reduce_dims=(-1,)``); K and V int4 asymmetric min/max per head, token and group of ``group_size`` channels of the
+head dim (:func:`group_zeropoint_quantize`). No clipping ratios: plain round-to-nearest.
+
 Rounding is round-half-to-even (``torch.round``) everywhere; a zero range gives scale 1 (no division by 0).
 """
 
@@ -61,6 +66,17 @@ def zeropoint_quantize(x: torch.Tensor, bits: int = 4, reduce_dims: Sequence[int
     zero = torch.round(-lo / scale)
     q = torch.clamp(torch.round(xf / scale) + zero, 0, levels)
     return ((q - zero) * scale).to(x.dtype)
+
+
+def group_zeropoint_quantize(x: torch.Tensor, bits: int = 4, group_size: int | None = None) -> torch.Tensor:
+    """Asymmetric min/max fake-quant of groups of ``group_size`` consecutive entries of the last dim (None: the
+    whole last dim, one group per row); the last dim must be a multiple of ``group_size``."""
+    d = x.shape[-1]
+    g = d if group_size is None else group_size
+    if g < 1 or d % g:
+        raise ValueError(f"group size {g} does not divide the last dim {d}")
+    y = zeropoint_quantize(x.reshape(*x.shape[:-1], d // g, g), bits, reduce_dims=(-1,))
+    return y.reshape(x.shape)
 
 
 def symmetric_quantize(x: torch.Tensor, clip: float | torch.Tensor, bits: int = 8) -> torch.Tensor:
