@@ -529,8 +529,9 @@ class Trainer:
 
 
 def main(argv: list[str]) -> int:
+    from outlier_titan import exit_codes
     from outlier_titan.config.manager import parse_args
-    from outlier_titan.errors import UserError
+    from outlier_titan.errors import RunFailure, UserError
 
     trainer = None
     try:
@@ -545,6 +546,14 @@ def main(argv: list[str]) -> int:
         trainer = Trainer(cfg)
         trainer.train()
         trainer.close()
+        # Stopped on request before the last step: resumable, and not "finished" (batch scripts requeue on it).
+        return exit_codes.STOPPED if trainer.preempted and trainer.state.step < cfg.training.steps else 0
+    except RunFailure as e:
+        print(f"failure: {e}", file=sys.stderr, flush=True)
+        preempt.report_failure(f"failure: {e}")
+        if trainer is not None:
+            trainer.abort()
+        return e.exit_code
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         preempt.report_user_error(f"error: {e}")
@@ -557,4 +566,3 @@ def main(argv: list[str]) -> int:
         if trainer is not None:
             trainer.abort()
         raise
-    return 0

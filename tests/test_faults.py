@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from outlier_titan.checkpoint.manager import list_checkpoints
+from outlier_titan.exit_codes import FAILURE, INTERRUPTED, STOPPED
 from outlier_titan.observe.logger import read_metrics
 from tests.launch import REPO, TINY
 
@@ -114,7 +115,8 @@ def test_fault_then_resume_equals_uninterrupted(tmp_path, reference, case):
         assert (list_checkpoints(run / "checkpoints"), logged_steps(run)) == written
         assert after == before, f"a checkpoint was committed after the launcher died: {before} -> {after}"
     else:
-        assert code == 0, log[-3000:]
+        assert code == STOPPED, log[-3000:]  # stopped on request, resumable
+        assert "Traceback" not in log, log[-3000:]
         reached = max(losses(run), default=0)
         assert reached < STEPS, "the signal came too late to test anything"
         assert f"{sig.name} received" in log
@@ -151,3 +153,50 @@ def test_user_error_of_any_rank_reaches_the_console(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: data.source:") and "missing.txt" in last, proc.stderr[-3000:]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_rank_killed_during_save_is_a_failure_not_a_user_error(tmp_path):
+    """Issue 29: a rank SIGKILLed while the checkpoint is written ends the launcher with the failure code (1),
+    never the user-error code 2, and no ``error:`` line; the partial save is never committed."""
+    run = tmp_path / "run"
+    proc = launch(tmp_path, "run", "--checkpoint.interval", "1")
+    wait_for(lambda: logged_steps(run) >= 2 and saving(run), what="a checkpoint being written after step 2")
+    before = list_checkpoints(run / "checkpoints")
+    os.kill(ranks_of(proc.pid)[-1], signal.SIGKILL)
+    code = finish(proc, timeout=120)
+    log = (tmp_path / "run.log").read_text()
+    assert code == FAILURE, (code, log[-3000:])
+    assert not [line for line in log.splitlines() if line.startswith("error:")], log[-3000:]
+    assert "failure:" in log, log[-3000:]
+    after = list_checkpoints(run / "checkpoints")
+    assert set(before) <= set(after) and all((run / "checkpoints" / f"step-{s}" / ".metadata").is_file()
+                                             for s in after)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_stops_like_sigterm_and_a_second_aborts(tmp_path, presses):
+    """Issue 29: Ctrl-C (SIGINT to the launcher) finishes the step, saves it and exits 75 without a traceback; a
+    second Ctrl-C aborts at once with 130, one line, and commits nothing more."""
+    run = tmp_path / "run"
+    proc = launch(tmp_path, "run", "--checkpoint.interval", "100")
+    wait_for(lambda: logged_steps(run) >= 2, what="step 2")
+    proc.send_signal(signal.SIGINT)
+    if presses == 2:
+        proc.send_signal(signal.SIGINT)
+    code = finish(proc, timeout=120)
+    log = (tmp_path / "run.log").read_text()
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    saved = list_checkpoints(run / "checkpoints")
+    if presses == 1:
+        assert code == STOPPED, (code, log[-3000:])
+        assert "SIGINT received: stopped after step" in log, log[-3000:]
+        assert saved == [max(losses(run))], (saved, log[-2000:])
+    else:
+        assert code == INTERRUPTED, (code, log[-3000:])
+        assert log.strip().splitlines()[-1] == "aborted by a second Ctrl-C; the newest complete checkpoint is kept"
+        # The second press may land after the step reached was already saved; nothing later is.
+        assert saved in ([], [max(losses(run))]), (saved, log[-2000:])

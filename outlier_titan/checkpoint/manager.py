@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from outlier_titan.checkpoint.run_folder import on_rank0
-from outlier_titan.errors import CheckpointError
+from outlier_titan.errors import CheckpointError, RunFailure
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -239,13 +239,21 @@ class Checkpointer:
         return final
 
     @staticmethod
-    def _save_failed(step: int, final: Path, tmp: Path, needed: int, e: BaseException) -> CheckpointError:
+    def _save_failed(step: int, final: Path, tmp: Path, needed: int, e: BaseException) -> Exception:
+        """The user's problem (disk full, no permission: CheckpointError, exit 2) or not (RunFailure, exit 1:
+        a peer rank died mid-save, a network or file-system error)."""
         if _is_disk_full(e):
             return CheckpointError(f"no space left on device while saving step {step} to {final} (needs "
                                    f"~{_gib(needed)}); removed the partial {tmp.name}, previous checkpoints are "
                                    "kept; free space or set job.dump_folder elsewhere")
-        return CheckpointError(f"saving step {step} to {final} failed ({_first_line(_root_causes(e)[0])}); removed "
-                               f"the partial {tmp.name}, previous checkpoints are kept")
+        cause = _root_causes(e)[0]
+        if isinstance(cause, PermissionError) or getattr(cause, "errno", None) in (errno.EACCES, errno.EROFS):
+            return CheckpointError(f"saving step {step} to {final} failed ({_first_line(cause)}); removed the "
+                                   f"partial {tmp.name}, previous checkpoints are kept; make the folder writable "
+                                   "or set job.dump_folder elsewhere")
+        return RunFailure(f"saving step {step} to {final} failed ({_first_line(cause)}; a peer rank may have "
+                          f"died); the partial {tmp.name} is not used, previous checkpoints are kept: resume from "
+                          "the newest")
 
     def _purge(self) -> None:
         for stale in self.folder.glob(".tmp-step-*"):
