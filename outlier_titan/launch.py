@@ -19,6 +19,8 @@ import signal
 import sys
 import threading
 
+from outlier_titan.preempt import ERROR_DIR_ENV
+
 # Handlers first: importing torch.distributed.run takes seconds, and a signal in that window must not kill us.
 _pending: list[int] = []
 
@@ -50,6 +52,14 @@ def _catches(pid: int, signum: int) -> bool:
     return False
 
 
+def _ready(pid: int, signum: int) -> bool:
+    """Whether rank ``pid`` handles ``signum`` its own way now. SIGINT is caught by every Python from its start
+    (KeyboardInterrupt), so for it the rank's note that ``preempt.install_early`` ran is what counts."""
+    if signum == signal.SIGINT:
+        return os.path.exists(os.path.join(os.environ.get(ERROR_DIR_ENV, ""), f"ready-{pid}"))
+    return _catches(pid, signum)
+
+
 def _forward_forever(interval: float = 0.1) -> None:
     """Delivers each received signal once to every rank, as soon as that rank has installed its handler (a rank
     still importing torch would otherwise die of it); ranks started later get pending signals too."""
@@ -59,14 +69,16 @@ def _forward_forever(interval: float = 0.1) -> None:
     while True:
         while len(delivered) < len(_pending):
             delivered.append(set())
+        sent: set[int] = set()  # one signal per rank and round: two at once would reach its handler as one
         for signum, done in zip(list(_pending), delivered):
             for pid in _children():
-                if pid not in done and _catches(pid, signum):
+                if pid not in done and pid not in sent and _ready(pid, signum):
                     try:
                         os.kill(pid, signum)
                     except ProcessLookupError:
                         pass
                     done.add(pid)
+                    sent.add(pid)
         time.sleep(interval)
 
 
@@ -115,7 +127,7 @@ def decide(codes: set[int], user_lines: list[str], failure_lines: list[str], abo
     signal, a crash) makes the run a failure (1) even when its peers then hit an error of their own."""
     from outlier_titan import exit_codes as X
 
-    if aborted:
+    if aborted and X.INTERRUPTED in codes:
         return X.INTERRUPTED, ["aborted by a second Ctrl-C; the newest complete checkpoint is kept"]
     if codes == {X.STOPPED}:
         return X.STOPPED, []
@@ -130,7 +142,7 @@ def decide(codes: set[int], user_lines: list[str], failure_lines: list[str], abo
 def _reported(folder: str, suffix: str) -> list[str]:
     """The distinct lines the ranks left in ``folder`` as ``rank-<N>.<suffix>``, in rank order."""
     lines: list[str] = []
-    names = [n for n in os.listdir(folder) if n.split(".", 1)[1] == suffix]
+    names = [n for n in os.listdir(folder) if n.startswith("rank-") and n.split(".", 1)[1] == suffix]
     for name in sorted(names, key=lambda n: int(n.split("-")[1].split(".")[0])):
         with open(os.path.join(folder, name)) as f:
             line = f.read().strip()

@@ -50,6 +50,9 @@ def install_early() -> None:
     for name in FORWARDED:
         signal.signal(getattr(signal, name), _record)
     signal.signal(signal.SIGINT, _on_interrupt)
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder and os.path.isdir(folder):  # tells the launcher that Ctrl-C may now be forwarded to this rank
+        open(os.path.join(folder, f"ready-{os.getpid()}"), "w").close()
     pid = os.environ.get(LAUNCHER_PID_ENV)
     if pid and sys.platform == "linux":
         import ctypes
