@@ -177,14 +177,14 @@ class Trainer:
         ckpt_dir = self.run_dir / "checkpoints"
         self.meta = {"tokenizer": self.tokenizer.fingerprint, "vocab_size": self.tokenizer.vocab_size}
 
-        def plan() -> tuple[int | None, list[int], list[str]]:
+        def plan() -> tuple[int | None, dict[int, str], list[str]]:
             """Read-only checks of the run folder: nothing is created before the model is built."""
             self.run.check_free()
             check_writable(self.run_dir, "run folder")
             if not cfg.checkpoint.enable:
-                return None, [], []
+                return None, {}, []
             check_writable(ckpt_dir, "checkpoint folder")
-            step, unreadable = select_checkpoint(ckpt_dir, cfg.checkpoint.load_step)
+            step, unreadable = select_checkpoint(ckpt_dir, cfg.checkpoint.load_step, cfg.checkpoint.verify)
             notes = (check_resume(ckpt_dir / f"step-{step}", self.config_toml, self.meta,
                                   cfg.checkpoint.allow_config_change) if step is not None else [])
             return step, unreadable, notes

@@ -82,8 +82,51 @@ def test_damaged_checkpoint_is_one_line_and_kept(copy, damage, fragments):
     else:
         (ckpt / ".metadata").write_bytes(b"not a pickle at all")
     before = snapshot(run_dir)
-    run = train(run_dir.parent, *args, "--training.steps", "6")
+    # Without the checksum check (which would set it aside, see the test below), the load itself refuses it.
+    run = train(run_dir.parent, *args, "--training.steps", "6", "--checkpoint.verify", "false")
     assert_refused(run, fragments)
+    assert snapshot(run_dir) == before
+
+
+def flip(path: Path, offset: int, n: int = 4096) -> None:
+    """Inverts ``n`` bytes of ``path`` from ``offset`` (size unchanged: only the checksum can tell)."""
+    data = bytearray(path.read_bytes())
+    data[offset:offset + n] = bytes(b ^ 0xFF for b in data[offset:offset + n])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damaged", [["step-4"], ["step-2", "step-4"]])
+def test_flipped_bytes_in_a_shard_are_refused_and_set_aside(copy, damaged):
+    """Issue 29: bytes flipped inside a shard (same size, unpickles fine) are caught by the checksums saved with
+    the checkpoint: one WARNING line per checkpoint, moved aside untouched, and the run resumes from the
+    previous checkpoint (or from scratch when none is left)."""
+    run_dir, args = copy
+    ckpts = run_dir / "checkpoints"
+    for name in damaged:
+        shard = ckpts / name / "__0_0.distcp"
+        flip(shard, shard.stat().st_size // 3)
+    kept = {name: snapshot(ckpts / name) for name in damaged}
+    run = train(run_dir.parent, *args, "--training.steps", "4").check()
+    warnings = [line for line in run.stdout.splitlines() if line.startswith("WARNING: checkpoint")]
+    resume = "step-2" if damaged == ["step-4"] else "scratch"
+    assert warnings == [f"WARNING: checkpoint {ckpts / name} is damaged (__0_0.distcp does not match its checksum "
+                        f"(damaged on disk)); moved it aside to {name}.corrupt and resuming from {resume}"
+                        for name in damaged], run.stdout
+    for name in damaged:
+        assert snapshot(ckpts / f"{name}.corrupt") == kept[name]
+    assert ("resumed from " + str(ckpts / "step-2") in run.stdout) == (resume == "step-2")
+    assert [r["step"] for r in run.records if "loss" in r] == \
+        ([1, 2, 3, 4, 3, 4] if resume == "step-2" else [1, 2, 3, 4, 1, 2, 3, 4])
+
+
+def test_a_damaged_checkpoint_asked_for_by_step_is_one_line(copy):
+    run_dir, args = copy
+    shard = run_dir / "checkpoints" / "step-4" / "__0_0.distcp"
+    flip(shard, 100)
+    before = snapshot(run_dir)
+    run = train(run_dir.parent, *args, "--training.steps", "6", "--checkpoint.load_step", "4")
+    assert_refused(run, ["step-4 is damaged: __0_0.distcp does not match its checksum",
+                         "--checkpoint.verify false"])
     assert snapshot(run_dir) == before
 
 
