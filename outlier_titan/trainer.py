@@ -305,6 +305,7 @@ class Trainer:
                 loss = self.loss_fn(logits, labels)
                 loss.backward()
             loss_sum += replicated_value(loss.detach())
+        self._last_micro = (inputs, labels)  # for the divergence guard before a save
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = grad_norm(params)
         finite = bool(torch.isfinite(norm))
@@ -403,6 +404,11 @@ class Trainer:
                 if self.state.consecutive_skips:
                     self.log0(f"step {step}: checkpoint not saved: the last {self.state.consecutive_skips} "
                               "step(s) had non-finite gradients")
+                elif not self._update_is_sound():
+                    kept = list_checkpoints(self.checkpointer.folder)
+                    self.log0(f"step {step}: checkpoint not saved: the weights this step's update produced give a "
+                              "non-finite gradient (a diverging update); "
+                              + (f"the newest sound checkpoint is step-{kept[-1]}" if kept else "none is saved"))
                 else:
                     path = self.checkpointer.save(step)
                     self.log0(f"checkpoint saved: {path}")
@@ -455,16 +461,38 @@ class Trainer:
         parts.append(f"run folder {self.run_dir}")
         return " | ".join(parts)
 
+    def _update_is_sound(self) -> bool:
+        """Divergence guard, before every save: one forward and backward of this step's last micro-batch with the
+        updated weights must give a finite gradient norm (reduced: the same answer on every rank). Catches an
+        update whose own gradient was finite but whose result is ruined (issue 29: lr 1e6), so no checkpoint
+        ever holds such weights. Gradients and the RNG are left as a run without the check has them."""
+        inputs, labels = self._last_micro
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state() if self.device.type == "cuda" else None
+        self.optimizer.zero_grad(set_to_none=True)
+        logits = self.model(inputs)
+        with loss_context(logits):
+            self.loss_fn(logits, labels).backward()
+        norm = grad_norm([p for p in self.model.parameters() if p.grad is not None])
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng)
+        return bool(torch.isfinite(norm))
+
     def _check_divergence(self, step: int) -> None:
         """Stops the run after ``training.max_skipped_steps`` consecutive non-finite steps (same on every rank:
         the gradient norm is reduced)."""
         n, limit = self.state.consecutive_skips, self.cfg.training.max_skipped_steps
         if limit and n >= limit:
             kept = list_checkpoints(self.checkpointer.folder) if self.cfg.checkpoint.enable else []
-            raise DivergedError(
-                f"training diverged: steps {step - n + 1}-{step} all had non-finite gradient norms "
-                f"(training.max_skipped_steps = {limit}); lower optimizer.lr (now {self.cfg.optimizer.lr:g}) or "
-                f"check the data; {f'the newest checkpoint step-{kept[-1]} is kept' if kept else 'nothing saved'}")
+            lr = f"a lower optimizer.lr (now {self.cfg.optimizer.lr:g})"
+            what = (f"the newest checkpoint step-{kept[-1]} is kept and precedes the divergence (no checkpoint of "
+                    f"diverged weights is ever saved): resume from it (--checkpoint.load_step {kept[-1]}) with {lr}"
+                    if kept else f"no checkpoint precedes it: start afresh (another job.name, or "
+                                 f"--checkpoint.load_step 0) with {lr}")
+            raise DivergedError(f"training diverged: steps {step - n + 1}-{step} all had non-finite gradient norms "
+                                f"(training.max_skipped_steps = {limit}); {what}, or check the data")
 
     def _log(self, step: int, loss: torch.Tensor, norm: torch.Tensor, lr: float) -> None:
         loss_v = self.global_loss(loss)
