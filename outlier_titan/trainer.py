@@ -148,7 +148,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         device_type = device_type_for(cfg.training.device)
-        self.rank, self.world_size = init_distributed(device_type)
+        self.rank, self.world_size = init_distributed(device_type, cfg.parallelism.collective_timeout_s)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
                        else torch.device("cpu"))
         self.dims = ParallelDims.from_config(cfg.parallelism, self.world_size)
@@ -576,7 +576,15 @@ def main(argv: list[str]) -> int:
         trainer.close()
         # Stopped on request before the last step: resumable, and not "finished" (batch scripts requeue on it).
         return exit_codes.STOPPED if trainer.preempted and trainer.state.step < cfg.training.steps else 0
-    except RunFailure as e:
+    except (RunFailure, RuntimeError) as e:
+        if not isinstance(e, RunFailure):
+            if trainer is None or not _peer_failure(e):
+                if trainer is not None:
+                    trainer.abort()
+                raise
+            e = RunFailure(f"a collective failed ({_peer_failure(e)}): a peer rank died, froze or cannot be "
+                           f"reached (parallelism.collective_timeout_s = {cfg.parallelism.collective_timeout_s}); "
+                           "resume from the newest complete checkpoint")
         print(f"failure: {e}", file=sys.stderr, flush=True)
         preempt.report_failure(f"failure: {e}")
         if trainer is not None:
@@ -594,3 +602,17 @@ def main(argv: list[str]) -> int:
         if trainer is not None:
             trainer.abort()
         raise
+
+
+# What gloo and NCCL say when a peer is gone or silent (their errors are plain RuntimeErrors / DistErrors).
+PEER_FAILURE = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
+
+
+def _peer_failure(e: BaseException) -> str | None:
+    """The first line of a collective's error that says a peer died or froze, else None."""
+    text = str(e).strip()
+    if not (isinstance(e, dist.DistError) or any(p in text for p in PEER_FAILURE)):
+        return None
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line.split("] ", 1)[-1].split(". ")[0][:200]

@@ -203,3 +203,27 @@ def test_ctrl_c_stops_like_sigterm_and_a_second_aborts(tmp_path, presses):
         assert code == INTERRUPTED, (code, log[-3000:])
         assert log.strip().splitlines()[-1] == "aborted by a second Ctrl-C; the newest complete checkpoint is kept"
         assert saved == [] and logged_steps(run) == 0, (saved, log[-2000:])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_frozen_peer_fails_the_run_within_the_collective_timeout(tmp_path):
+    """Issue 29: a rank that freezes (SIGSTOP: no TCP reset) makes its peer fail after
+    ``parallelism.collective_timeout_s``, not gloo's default 30 minutes; the launcher exits with the failure code
+    and a ``failure:`` line that names the setting."""
+    run = tmp_path / "run"
+    proc = launch(tmp_path, "run", "--training.steps", "100000", "--parallelism.collective_timeout_s", "5")
+    wait_for(lambda: logged_steps(run) >= 3, what="step 3")
+    frozen = ranks_of(proc.pid)[-1]
+    os.kill(frozen, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        wait_for(lambda: "failure:" in (tmp_path / "run.log").read_text(), timeout=60, what="the peer's timeout")
+        waited = time.monotonic() - t0
+    finally:
+        os.kill(frozen, signal.SIGCONT)  # lets torchrun's SIGTERM reach it (else it waits 30 s, then SIGKILLs)
+    code = finish(proc, timeout=120)
+    log = (tmp_path / "run.log").read_text()
+    assert code == FAILURE, (code, log[-3000:])
+    assert 5 <= waited < 30, waited
+    assert "parallelism.collective_timeout_s = 5" in log, log[-3000:]

@@ -158,6 +158,12 @@ class Parallelism:
     dp_replicate: int = opt(1, "HSDP replicate degree.")
     dp_shard: int = opt(-1, "FSDP shard degree (-1 = fill the remaining ranks).")
     tp: int = opt(1, "Tensor-parallel degree.")
+    # --- failure detection (docs/launching.md)
+    collective_timeout_s: int = opt(600, "Seconds a collective may wait for a peer before the rank fails (exit 1) "
+                                         "instead of hanging: a frozen or unreachable peer then ends the job in "
+                                         "minutes. Must exceed the longest gap between collectives (a checkpoint "
+                                         "save or load, an evaluation); raise it for huge checkpoints on slow "
+                                         "storage.")
 
 
 @dataclass
