@@ -368,6 +368,7 @@ class Trainer:
                   f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, tp {self.dims.tp}) "
                   f"| batch {cfg.training.global_batch_size}x{cfg.training.seq_len}, "
                   f"micro {self.micro_batch} x {self.accum_steps} | {self.device}")
+        self.log0(self._hosts_line())
         self.log0(self._data_line())
         mismatch = tokenizer_mismatch(cfg.data.source, cfg.data.tokenizer)
         if mismatch and self.rank == 0:
@@ -420,6 +421,21 @@ class Trainer:
                 self.log0(f"{self.preempted} received: stopped after step {step} ({saved})")
                 break
         self.log0(self._summary())
+
+    def _hosts_line(self) -> str:
+        """Which host each rank runs on (``hosts: node1 ranks 0-1 | node2 ranks 2-3``), from every rank."""
+        import socket
+
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=self._cpu_group())
+        ranges: list[list] = []
+        for rank, host in enumerate(hosts):
+            if ranges and ranges[-1][0] == host and ranges[-1][2] == rank - 1:
+                ranges[-1][2] = rank
+            else:
+                ranges.append([host, rank, rank])
+        return "hosts: " + " | ".join(f"{h} rank{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}"
+                                      for h, a, b in ranges)
 
     def _data_line(self) -> str:
         """Sizes of the splits and how many passes over the training split this run makes."""

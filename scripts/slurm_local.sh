@@ -36,7 +36,7 @@ install() {
 
 write_conf() {
   local cpus mem
-  cpus=$(nproc)
+  cpus=$(nproc --all)  # the machine's CPUs: plain nproc honours OMP_NUM_THREADS (1 makes a node that runs nothing)
   mem=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
   cat >"$CONF" <<EOF
 # Written by scripts/slurm_local.sh: one node ($cpus CPUs, $mem MiB), one partition, no accounting daemon.

@@ -16,6 +16,7 @@ import pytest
 
 from outlier_titan.checkpoint.manager import list_checkpoints
 from outlier_titan.observe.logger import read_metrics
+from outlier_titan.study.slurm import never_runs
 from tests.launch import REPO, TINY
 
 
@@ -59,7 +60,11 @@ def sbatch(tmp: Path, name: str, steps: int, *flags: str) -> str:
            "--export=ALL,GPUS_PER_NODE=2", f"--output={tmp}/slurm-%j.out", *flags, "scripts/multinode.slurm",
            *run_args(tmp, name, steps)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, check=True)
-    return out.stdout.strip().split(";")[0]
+    job_id = out.stdout.strip().split(";")[0]
+    reason = never_runs(job_id)
+    if reason:  # at once, not after the test's timeout
+        pytest.fail(reason)
+    return job_id
 
 
 def job(job_id: str) -> dict[str, str]:
@@ -175,3 +180,22 @@ def test_sweep_job_array_equals_run_local(tmp_path):
                 assert float(a[col]) == pytest.approx(float(b[col]), rel=1e-6), col
             except ValueError:
                 assert a[col] == b[col], col
+
+
+def test_a_job_that_can_never_run_is_reported_at_once(tmp_path):
+    """Issue 29: more CPUs per task than any node has leaves a Slurm job PENDING forever (reason
+    PartitionConfig); the sweep engine reports it with one line and exit 2 within seconds, and cancels it."""
+    from tests.test_sweep import THREE, write
+    from tests.test_sweep import cli as sweep
+
+    cpus = os.cpu_count() + 1
+    assert sweep("plan", str(write(tmp_path, THREE)), "--out", "big", cwd=tmp_path).returncode == 0
+    t0 = time.monotonic()
+    proc = sweep("run", "big", "--slurm", "--gpus-per-node", "0", "--cpus-per-task", str(cpus), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert time.monotonic() - t0 < 30
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: Slurm job ") and "can never start" in line and "PartitionConfig" in line, line
+    job_id = line.split()[3]
+    assert not subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip()
+
