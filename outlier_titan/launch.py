@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in (*FORWARDED, "SIGINT"):
         signal.signal(getattr(signal, name), _on_signal)
     if any(a.split("=")[0] in ("--signals-to-handle", "--signals_to_handle") for a in argv):
-        print("error: outlier_titan.launch sets --signals-to-handle itself (it forwards SIGTERM/SIGUSR1/SIGUSR2 "
-              "to the ranks); remove that option", file=sys.stderr, flush=True)
+        print("error: outlier_titan.launch sets --signals-to-handle itself (it forwards SIGINT/SIGTERM/SIGUSR1/"
+              "SIGUSR2 to the ranks); remove that option", file=sys.stderr, flush=True)
         return 2
     import tempfile
 

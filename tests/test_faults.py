@@ -227,3 +227,23 @@ def test_a_frozen_peer_fails_the_run_within_the_collective_timeout(tmp_path):
     assert code == FAILURE, (code, log[-3000:])
     assert 5 <= waited < 30, waited
     assert "parallelism.collective_timeout_s = 5" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("codes, user, failure, aborted, want", [
+    ({75}, [], [], False, (75, [])),
+    ({2}, ["error: x"], [], False, (2, ["error: x"])),
+    ({2, 75}, ["error: x"], [], False, (2, ["error: x"])),
+    ({3, 2}, ["error: d"], [], False, (3, ["error: d"])),
+    ({-9}, [], [], False, (1, ["failure: a rank was killed by SIGKILL; resume from the newest complete checkpoint"])),
+    ({2, -9}, ["error: saving failed"], [], False,
+     (1, ["failure: a rank was killed by SIGKILL; resume from the newest complete checkpoint"])),
+    ({1}, [], ["failure: f"], False, (1, ["failure: f"])),
+    ({1, 75}, [], [], False, (1, [])),
+    ({130}, [], [], True, (130, ["aborted by a second Ctrl-C; the newest complete checkpoint is kept"])),
+    ({75}, [], [], True, (75, [])),  # the second press came after every rank had saved and stopped
+])
+def test_launcher_exit_code_decision(codes, user, failure, aborted, want):
+    """The exit contract's table: a rank that died unreported makes the job a failure (1), never a user error."""
+    from outlier_titan.launch import decide
+
+    assert decide(codes, user, failure, aborted) == want
