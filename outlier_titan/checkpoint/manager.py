@@ -1,7 +1,8 @@
 """Distributed checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout: ``<run>/checkpoints/step-<N>/`` holding DCP shards, ``.metadata``, ``config.toml`` (the reference for
-the resume compatibility check) and ``meta.json`` (tokenizer fingerprint) and ``checksums.json`` (``integrity``: verified before a load). A save is
+the resume compatibility check), ``meta.json`` (tokenizer fingerprint) and ``checksums.json`` (every file's
+size and hash, see ``integrity``: verified before a resume, a damaged checkpoint is moved aside). A save is
 written to ``.tmp-step-<N>`` and committed by an atomic rename once every rank has finished, so a folder
 named ``step-<N>`` is always complete; an interrupted save leaves only a temporary folder that is ignored
 (and removed by the next save). Model and optimizer state are FQN-keyed, so DCP reshards them between
