@@ -247,3 +247,22 @@ def test_launcher_exit_code_decision(codes, user, failure, aborted, want):
     from outlier_titan.launch import decide
 
     assert decide(codes, user, failure, aborted) == want
+
+
+def test_progress_reports_steps_done_and_total(tmp_path):
+    """``python -m outlier_titan.progress`` (read by multinode.slurm): the newest complete checkpoint's step, or
+    the last logged step without checkpoints; an incomplete checkpoint does not count."""
+    ckpts = tmp_path / "run" / "checkpoints"
+    for name in ("step-2", "step-4", "step-6"):
+        (ckpts / name).mkdir(parents=True)
+    for name in ("step-2", "step-4"):
+        (ckpts / name / ".metadata").write_bytes(b"")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 5, "loss": 1.0}\n')
+    base = [sys.executable, "-m", "outlier_titan.progress", "--config", str(REPO / "train_configs/debug.toml"),
+            "--job.dump_folder", str(tmp_path), "--job.name", "run", "--training.steps", "8"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for extra, want in ((["--checkpoint.enable", "true"], "4 8"), (["--checkpoint.enable", "false"], "5 8")):
+        out = subprocess.run([*base, *extra], capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == want, (out.stdout, out.stderr)
+    bad = subprocess.run([*base, "--training.nope", "1"], capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error:"), bad.stderr
