@@ -259,7 +259,7 @@ class PointRun:
         if is_finished(self.folder, self.entry):
             status, err = "done", ""
         elif rc in (0, STOPPED) or stopping:  # 75: stopped on request after saving (outlier_titan.exit_codes)
-            status, err = "pending", "interrupted" + (f" (exit {rc})" if rc else "")
+            status, err = "pending", "interrupted" + (f" (exit {rc})" if rc not in (0, STOPPED) else "")
         else:
             status, err = "failed", error_line(self.folder / LOG, self.log_offset) or f"exit code {rc}"
         if self.primary:
