@@ -10,6 +10,7 @@
 # `export SLURM_CONF=$SLURM_LOCAL_NODES_DIR/slurm.conf`. Node sizes: nproc --all / N CPUs each.
 #   scripts/slurm_local.sh start --nodes 2
 #   scripts/slurm_local.sh status --nodes 2
+#   scripts/slurm_local.sh crash K / revive K   # kill -9 every process of node K / start its slurmd again
 # Needs root. Everything lives in $SLURM_LOCAL_DIR (default /tmp/outlier_titan-slurm): slurm.conf, state, logs.
 # The clients find the cluster through /etc/slurm/slurm.conf (linked to ours when absent) or
 # `export SLURM_CONF=$SLURM_LOCAL_DIR/slurm.conf`. Starting twice is harmless.
@@ -224,10 +225,7 @@ start_nodes() {
   start_munge
   running_n slurmctld || SLURM_CONF=$NCONF slurmctld -f "$NCONF" || die "slurmctld did not start; see $NDIR/slurmctld.log"
   for k in $(seq "$n"); do
-    [ -n "$(ip netns pids "otnode$k" 2>/dev/null)" ] && continue
-    mkdir -p "$NDIR/spool/node$k"
-    SLURM_CONF=$NCONF unshare --mount --uts -- sh -c "mount --bind $NDIR/hosts /etc/hosts && hostname node$k && exec nsenter --net=/run/netns/otnode$k slurmd -f $NCONF" \
-      || die "slurmd of node$k did not start; see $NDIR/slurmd-node$k.log"
+    [ -n "$(ip netns pids "otnode$k" 2>/dev/null)" ] || start_slurmd "$k"
   done
   for _ in $(seq 300); do
     states=$(SLURM_CONF=$NCONF sinfo -h -N -o %t 2>/dev/null | sort -u | tr '\n' ' ')
@@ -251,6 +249,27 @@ stop_nodes() {
   ip link del "$BRIDGE" 2>/dev/null || true
 }
 
+start_slurmd() { # node K's slurmd, inside its namespaces (the hostname picks its NodeName)
+  mkdir -p "$NDIR/spool/node$1"
+  SLURM_CONF=$NCONF unshare --mount --uts -- sh -c "mount --bind $NDIR/hosts /etc/hosts && hostname node$1 && exec nsenter --net=/run/netns/otnode$1 slurmd -f $NCONF" \
+    || die "slurmd of node$1 did not start; see $NDIR/slurmd-node$1.log"
+}
+
+crash_node() { # kills every process of node K (its slurmd, job steps, ranks) at once, as a node failure would
+  ip netns list | grep -qw "otnode$1" || die "no node$1 (scripts/slurm_local.sh start --nodes N)"
+  local pid
+  for pid in $(ip netns pids "otnode$1"); do kill -9 "$pid" 2>/dev/null || true; done
+  for _ in $(seq 100); do [ -z "$(ip netns pids "otnode$1")" ] && { echo "node$1 crashed"; return; }; sleep 0.1; done
+  die "processes of node$1 survived kill -9"
+}
+
+revive_node() { # starts node K's slurmd again once its namespace is empty
+  ip netns list | grep -qw "otnode$1" || die "no node$1 (scripts/slurm_local.sh start --nodes N)"
+  [ -z "$(ip netns pids "otnode$1")" ] || die "node$1 still has processes; crash it first"
+  start_slurmd "$1"
+  echo "node$1 revived"
+}
+
 status_nodes() {
   running_n slurmctld || { echo "the local multi-node Slurm is not running (scripts/slurm_local.sh start --nodes N)"; return 1; }
   SLURM_CONF=$NCONF sinfo -N
@@ -259,6 +278,10 @@ status_nodes() {
 nodes=1
 cmd=${1:-}
 [ $# -gt 0 ] && shift
+case "$cmd" in
+  crash|revive) [[ "${1:-}" =~ ^[1-9][0-9]*$ ]] || die "usage: scripts/slurm_local.sh $cmd K (a node number)"
+    if [ "$cmd" = crash ]; then crash_node "$1"; else revive_node "$1"; fi; exit 0;;
+esac
 while [ $# -gt 0 ]; do
   case "$1" in
     --nodes) { [ $# -ge 2 ] && [[ "$2" =~ ^[1-9][0-9]*$ ]]; } || die "--nodes needs a positive number"; nodes=$2; shift 2;;
@@ -269,5 +292,5 @@ case "$cmd" in
   start) if [ "$nodes" = 1 ]; then start; else start_nodes "$nodes"; fi;;
   stop) stop_nodes; stop;;
   status) if [ "$nodes" = 1 ]; then status; else status_nodes; fi;;
-  *) echo "usage: scripts/slurm_local.sh {start|stop|status} [--nodes N]" >&2; exit 2;;
+  *) echo "usage: scripts/slurm_local.sh {start|stop|status} [--nodes N] | {crash|revive} K" >&2; exit 2;;
 esac

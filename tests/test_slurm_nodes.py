@@ -67,3 +67,4 @@ def test_two_nodes_one_rank_each_equal_the_standalone_launcher(tmp_path):
     assert "hosts: node1 rank 0 | node2 rank 1" in log, log[-3000:]
     assert "rendezvous=10.77.0.11:" in log, log[-3000:]
     assert losses(tmp_path / "a") == losses(tmp_path / "ref")
+
