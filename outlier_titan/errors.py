@@ -24,3 +24,10 @@ class DivergedError(UserError):
     """Training stopped after too many consecutive non-finite steps (exit code 3: not bad input as such)."""
 
     exit_code = 3
+
+
+class RunFailure(Exception):
+    """A failure that is not the user's: a peer rank died or a save failed for a reason other than disk space or
+    permissions (exit code 1, ``failure:`` line). The run resumes from its newest complete checkpoint."""
+
+    exit_code = 1

@@ -2,11 +2,14 @@
 
 Plain torchrun handles SIGTERM itself: it raises ``SignalException`` (exit 1) and SIGKILLs the ranks after its
 shutdown timeout, whether or not they finished saving. This wrapper runs torchrun's own launcher in-process with
-SIGTERM/SIGUSR1/SIGUSR2 taken out of ``--signals-to-handle`` and forwards those signals to the ranks, which
-finish their step, checkpoint and exit 0 (``outlier_titan.preempt``); torchrun then exits 0 too. It also:
+SIGINT/SIGTERM/SIGUSR1/SIGUSR2 taken out of ``--signals-to-handle`` and forwards those signals to the ranks, which
+finish their step, checkpoint and exit 75 ("stopped, resumable", ``outlier_titan.preempt``). It also:
 
 - exports its pid, so a rank whose launcher died (kill -9) stops without writing anything;
-- prints the one-line ``error:`` of whichever rank hit a user error, last on the console, and exits 2.
+- exits with the contract's code (``outlier_titan.exit_codes``, docs/launching.md): 0 finished, 75 stopped on
+  request and resumable, 2 user error (the one-line ``error:`` of whichever rank hit it, last on the console),
+  3 diverged, 1 failure (a rank died or was killed, a save failed not by the user: never 2), 130 after a second
+  Ctrl-C.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import os
 import signal
 import sys
 import threading
+
+from outlier_titan.preempt import ERROR_DIR_ENV
 
 # Handlers first: importing torch.distributed.run takes seconds, and a signal in that window must not kill us.
 _pending: list[int] = []
@@ -47,6 +52,14 @@ def _catches(pid: int, signum: int) -> bool:
     return False
 
 
+def _ready(pid: int, signum: int) -> bool:
+    """Whether rank ``pid`` handles ``signum`` its own way now. SIGINT is caught by every Python from its start
+    (KeyboardInterrupt), so for it the rank's note that ``preempt.install_early`` ran is what counts."""
+    if signum == signal.SIGINT:
+        return os.path.exists(os.path.join(os.environ.get(ERROR_DIR_ENV, ""), f"ready-{pid}"))
+    return _catches(pid, signum)
+
+
 def _forward_forever(interval: float = 0.1) -> None:
     """Delivers each received signal once to every rank, as soon as that rank has installed its handler (a rank
     still importing torch would otherwise die of it); ranks started later get pending signals too."""
@@ -56,14 +69,16 @@ def _forward_forever(interval: float = 0.1) -> None:
     while True:
         while len(delivered) < len(_pending):
             delivered.append(set())
+        sent: set[int] = set()  # one signal per rank and round: two at once would reach its handler as one
         for signum, done in zip(list(_pending), delivered):
             for pid in _children():
-                if pid not in done and _catches(pid, signum):
+                if pid not in done and pid not in sent and _ready(pid, signum):
                     try:
                         os.kill(pid, signum)
                     except ProcessLookupError:
                         pass
                     done.add(pid)
+                    sent.add(pid)
         time.sleep(interval)
 
 
@@ -71,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     from outlier_titan.preempt import ERROR_DIR_ENV, FORWARDED, LAUNCHER_PID_ENV
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    for name in FORWARDED:
+    for name in (*FORWARDED, "SIGINT"):
         signal.signal(getattr(signal, name), _on_signal)
     if any(a.split("=")[0] in ("--signals-to-handle", "--signals_to_handle") for a in argv):
-        print("error: outlier_titan.launch sets --signals-to-handle itself (it forwards SIGTERM/SIGUSR1/SIGUSR2 "
-              "to the ranks); remove that option", file=sys.stderr, flush=True)
+        print("error: outlier_titan.launch sets --signals-to-handle itself (it forwards SIGINT/SIGTERM/SIGUSR1/"
+              "SIGUSR2 to the ranks); remove that option", file=sys.stderr, flush=True)
         return 2
     import tempfile
 
@@ -87,18 +102,18 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    args = parse_args(["--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT", *argv])
+    args = parse_args(["--signals-to-handle", "SIGHUP,SIGQUIT", *argv])
     try:
         run(args)
         code = 0
     except ChildFailedError as e:
-        code = 1
-        lines = _user_errors(error_dir)
+        codes = {f.exitcode for f in e.failures.values()}
+        code, lines = decide(codes, _reported(error_dir, "txt"), _reported(error_dir, "failure.txt"),
+                             _pending.count(signal.SIGINT) >= 2)
+        if code == 1:
+            print(e.format_msg(), file=sys.stderr, flush=True)
         if lines:
             print("\n".join(lines), file=sys.stderr, flush=True)
-            code = 2
-        else:
-            print(e.format_msg(), file=sys.stderr, flush=True)
     finally:
         import shutil
 
@@ -106,11 +121,29 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _user_errors(folder: str) -> list[str]:
-    """The distinct user-error lines the ranks left in ``folder``, in rank order."""
+def decide(codes: set[int], user_lines: list[str], failure_lines: list[str], aborted: bool) -> tuple[int, list[str]]:
+    """The launcher's exit code and last console lines from the exit codes of the ranks that torchrun saw end
+    first (negative: killed by that signal) and the lines the ranks reported. A rank that died unreported (a
+    signal, a crash) makes the run a failure (1) even when its peers then hit an error of their own."""
+    from outlier_titan import exit_codes as X
+
+    if aborted and X.INTERRUPTED in codes:
+        return X.INTERRUPTED, ["aborted by a second Ctrl-C; the newest complete checkpoint is kept"]
+    if codes == {X.STOPPED}:
+        return X.STOPPED, []
+    if codes <= {X.USER_ERROR, X.DIVERGED, X.STOPPED} and user_lines:
+        return (X.DIVERGED if X.DIVERGED in codes else X.USER_ERROR), user_lines
+    died = sorted(c for c in codes if c < 0)
+    why = [f"failure: a rank was killed by {signal.Signals(-died[0]).name}; resume from the newest complete "
+           "checkpoint"] if died and not failure_lines else []
+    return X.FAILURE, failure_lines + why
+
+
+def _reported(folder: str, suffix: str) -> list[str]:
+    """The distinct lines the ranks left in ``folder`` as ``rank-<N>.<suffix>``, in rank order."""
     lines: list[str] = []
-    names = sorted(os.listdir(folder), key=lambda n: int(n.split("-")[1].split(".")[0]))
-    for name in names:
+    names = [n for n in os.listdir(folder) if n.startswith("rank-") and n.split(".", 1)[1] == suffix]
+    for name in sorted(names, key=lambda n: int(n.split("-")[1].split(".")[0])):
         with open(os.path.join(folder, name)) as f:
             line = f.read().strip()
         if line and line not in lines:

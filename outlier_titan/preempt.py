@@ -2,8 +2,10 @@
 ``train.py`` can install the handlers before the seconds-long ``import torch``.
 
 Convention: each signal named in ``checkpoint.stop_signals`` (default SIGTERM and SIGUSR1) makes every rank
-finish the current step, save a checkpoint of the step reached and exit 0. SIGTERM means stop (``scancel``);
-SIGUSR1 is Slurm's early warning, after which ``scripts/multinode.slurm`` requeues the job.
+finish the current step, save a checkpoint of the step reached and exit with ``exit_codes.STOPPED`` (75,
+resumable). SIGTERM means stop (``scancel``); SIGUSR1 is Slurm's early warning, after which
+``scripts/multinode.slurm`` requeues the job. Ctrl-C (SIGINT) always stops the same way; a second Ctrl-C aborts
+at once (exit 130, one line, nothing more saved).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ LAUNCHER_PID_ENV = "OUTLIER_TITAN_LAUNCHER_PID"
 ERROR_DIR_ENV = "OUTLIER_TITAN_ERROR_DIR"
 
 _received: list[str] = []
+_interrupts = [0]
 _PR_SET_PDEATHSIG = 1
 
 
@@ -27,11 +30,29 @@ def _record(signum, _frame) -> None:
     _received.append(signal.Signals(signum).name)
 
 
+def _on_interrupt(signum, _frame) -> None:
+    """Ctrl-C: the first one stops like SIGTERM (finish the step, save, exit 75), a second one aborts."""
+    _interrupts[0] += 1
+    if _interrupts[0] == 1:
+        _received.append("SIGINT")
+        if os.environ.get("RANK", "0") == "0":
+            os.write(2, b"Ctrl-C: stopping after this step and saving it; press Ctrl-C again to abort without "
+                        b"saving\n")
+        return
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, b"aborted by a second Ctrl-C; the newest complete checkpoint is kept\n")
+    os._exit(130)
+
+
 def install_early() -> None:
     """Catches every forwardable signal from the first line of ``train.py`` (a signal that arrives while torch
     imports is kept, not fatal) and ties this rank's life to its launcher's (see :func:`launcher_alive`)."""
     for name in FORWARDED:
         signal.signal(getattr(signal, name), _record)
+    signal.signal(signal.SIGINT, _on_interrupt)
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder and os.path.isdir(folder):  # tells the launcher that Ctrl-C may now be forwarded to this rank
+        open(os.path.join(folder, f"ready-{os.getpid()}"), "w").close()
     pid = os.environ.get(LAUNCHER_PID_ENV)
     if pid and sys.platform == "linux":
         import ctypes
@@ -78,7 +99,16 @@ def launcher_alive() -> bool:
 
 def report_user_error(message: str) -> None:
     """Leaves a user error's one line where the launcher will print it, whichever rank hit it."""
+    _report(message, "txt")
+
+
+def report_failure(message: str) -> None:
+    """Leaves a failure's one line (not the user's: a peer died, a save failed) for the launcher to print."""
+    _report(message, "failure.txt")
+
+
+def _report(message: str, suffix: str) -> None:
     folder = os.environ.get(ERROR_DIR_ENV)
     if folder and os.path.isdir(folder):
-        with open(os.path.join(folder, f"rank-{os.environ.get('RANK', '0')}.txt"), "w") as f:
+        with open(os.path.join(folder, f"rank-{os.environ.get('RANK', '0')}.{suffix}"), "w") as f:
             f.write(message + "\n")

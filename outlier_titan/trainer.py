@@ -149,7 +149,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         device_type = device_type_for(cfg.training.device)
-        self.rank, self.world_size = init_distributed(device_type)
+        self.rank, self.world_size = init_distributed(device_type, cfg.parallelism.collective_timeout_s)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
                        else torch.device("cpu"))
         self.dims = ParallelDims.from_config(cfg.parallelism, self.world_size)
@@ -178,14 +178,14 @@ class Trainer:
         ckpt_dir = self.run_dir / "checkpoints"
         self.meta = {"tokenizer": self.tokenizer.fingerprint, "vocab_size": self.tokenizer.vocab_size}
 
-        def plan() -> tuple[int | None, list[int], list[str]]:
+        def plan() -> tuple[int | None, dict[int, str], list[str]]:
             """Read-only checks of the run folder: nothing is created before the model is built."""
             self.run.check_free()
             check_writable(self.run_dir, "run folder")
             if not cfg.checkpoint.enable:
-                return None, [], []
+                return None, {}, []
             check_writable(ckpt_dir, "checkpoint folder")
-            step, unreadable = select_checkpoint(ckpt_dir, cfg.checkpoint.load_step)
+            step, unreadable = select_checkpoint(ckpt_dir, cfg.checkpoint.load_step, cfg.checkpoint.verify)
             notes = (check_resume(ckpt_dir / f"step-{step}", self.config_toml, self.meta,
                                   cfg.checkpoint.allow_config_change) if step is not None else [])
             return step, unreadable, notes
@@ -308,6 +308,7 @@ class Trainer:
                 loss = self.loss_fn(logits, labels)
                 loss.backward()
             loss_sum += replicated_value(loss.detach())
+        self._last_micro = (inputs, labels)  # for the divergence guard before a save
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = grad_norm(params)
         finite = bool(torch.isfinite(norm))
@@ -370,6 +371,7 @@ class Trainer:
                   f"(dp_replicate {self.dims.dp_replicate}, dp_shard {self.dims.dp_shard}, tp {self.dims.tp}) "
                   f"| batch {cfg.training.global_batch_size}x{cfg.training.seq_len}, "
                   f"micro {self.micro_batch} x {self.accum_steps} | {self.device}")
+        self.log0(self._hosts_line())
         self.log0(self._data_line())
         mismatch = tokenizer_mismatch(cfg.data.source, cfg.data.tokenizer)
         if mismatch and self.rank == 0:
@@ -406,6 +408,11 @@ class Trainer:
                 if self.state.consecutive_skips:
                     self.log0(f"step {step}: checkpoint not saved: the last {self.state.consecutive_skips} "
                               "step(s) had non-finite gradients")
+                elif not self._update_is_sound():
+                    kept = list_checkpoints(self.checkpointer.folder)
+                    self.log0(f"step {step}: checkpoint not saved: the weights this step's update produced give a "
+                              "non-finite gradient (a diverging update); "
+                              + (f"the newest sound checkpoint is step-{kept[-1]}" if kept else "none is saved"))
                 else:
                     path = self.checkpointer.save(step)
                     self.log0(f"checkpoint saved: {path}")
@@ -417,6 +424,21 @@ class Trainer:
                 self.log0(f"{self.preempted} received: stopped after step {step} ({saved})")
                 break
         self.log0(self._summary())
+
+    def _hosts_line(self) -> str:
+        """Which host each rank runs on (``hosts: node1 ranks 0-1 | node2 ranks 2-3``), from every rank."""
+        import socket
+
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=self._cpu_group())
+        ranges: list[list] = []
+        for rank, host in enumerate(hosts):
+            if ranges and ranges[-1][0] == host and ranges[-1][2] == rank - 1:
+                ranges[-1][2] = rank
+            else:
+                ranges.append([host, rank, rank])
+        return "hosts: " + " | ".join(f"{h} rank{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}"
+                                      for h, a, b in ranges)
 
     def _data_line(self) -> str:
         """Sizes of the splits and how many passes over the training split this run makes."""
@@ -458,16 +480,38 @@ class Trainer:
         parts.append(f"run folder {self.run_dir}")
         return " | ".join(parts)
 
+    def _update_is_sound(self) -> bool:
+        """Divergence guard, before every save: one forward and backward of this step's last micro-batch with the
+        updated weights must give a finite gradient norm (reduced: the same answer on every rank). Catches an
+        update whose own gradient was finite but whose result is ruined (issue 29: lr 1e6), so no checkpoint
+        ever holds such weights. Gradients and the RNG are left as a run without the check has them."""
+        inputs, labels = self._last_micro
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state() if self.device.type == "cuda" else None
+        self.optimizer.zero_grad(set_to_none=True)
+        logits = self.model(inputs)
+        with loss_context(logits):
+            self.loss_fn(logits, labels).backward()
+        norm = grad_norm([p for p in self.model.parameters() if p.grad is not None])
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng)
+        return bool(torch.isfinite(norm))
+
     def _check_divergence(self, step: int) -> None:
         """Stops the run after ``training.max_skipped_steps`` consecutive non-finite steps (same on every rank:
         the gradient norm is reduced)."""
         n, limit = self.state.consecutive_skips, self.cfg.training.max_skipped_steps
         if limit and n >= limit:
             kept = list_checkpoints(self.checkpointer.folder) if self.cfg.checkpoint.enable else []
-            raise DivergedError(
-                f"training diverged: steps {step - n + 1}-{step} all had non-finite gradient norms "
-                f"(training.max_skipped_steps = {limit}); lower optimizer.lr (now {self.cfg.optimizer.lr:g}) or "
-                f"check the data; {f'the newest checkpoint step-{kept[-1]} is kept' if kept else 'nothing saved'}")
+            lr = f"a lower optimizer.lr (now {self.cfg.optimizer.lr:g})"
+            what = (f"the newest checkpoint step-{kept[-1]} is kept and precedes the divergence (no checkpoint of "
+                    f"diverged weights is ever saved): resume from it (--checkpoint.load_step {kept[-1]}) with {lr}"
+                    if kept else f"no checkpoint precedes it: start afresh (another job.name, or "
+                                 f"--checkpoint.load_step 0) with {lr}")
+            raise DivergedError(f"training diverged: steps {step - n + 1}-{step} all had non-finite gradient norms "
+                                f"(training.max_skipped_steps = {limit}); {what}, or check the data")
 
     def _log(self, step: int, loss: torch.Tensor, norm: torch.Tensor, lr: float) -> None:
         loss_v = self.global_loss(loss)
@@ -532,8 +576,9 @@ class Trainer:
 
 
 def main(argv: list[str]) -> int:
+    from outlier_titan import exit_codes
     from outlier_titan.config.manager import parse_args
-    from outlier_titan.errors import UserError
+    from outlier_titan.errors import RunFailure, UserError
 
     trainer = None
     try:
@@ -548,6 +593,22 @@ def main(argv: list[str]) -> int:
         trainer = Trainer(cfg)
         trainer.train()
         trainer.close()
+        # Stopped on request before the last step: resumable, and not "finished" (batch scripts requeue on it).
+        return exit_codes.STOPPED if trainer.preempted and trainer.state.step < cfg.training.steps else 0
+    except (RunFailure, RuntimeError) as e:
+        if not isinstance(e, RunFailure):
+            if trainer is None or not _peer_failure(e):
+                if trainer is not None:
+                    trainer.abort()
+                raise
+            e = RunFailure(f"a collective failed ({_peer_failure(e)}): a peer rank died, froze or cannot be "
+                           f"reached (parallelism.collective_timeout_s = {cfg.parallelism.collective_timeout_s}); "
+                           "resume from the newest complete checkpoint")
+        print(f"failure: {e}", file=sys.stderr, flush=True)
+        preempt.report_failure(f"failure: {e}")
+        if trainer is not None:
+            trainer.abort()
+        return e.exit_code
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         preempt.report_user_error(f"error: {e}")
@@ -560,4 +621,17 @@ def main(argv: list[str]) -> int:
         if trainer is not None:
             trainer.abort()
         raise
-    return 0
+
+
+# What gloo and NCCL say when a peer is gone or silent (their errors are plain RuntimeErrors / DistErrors).
+PEER_FAILURE = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
+
+
+def _peer_failure(e: BaseException) -> str | None:
+    """The first line of a collective's error that says a peer died or froze, else None."""
+    text = str(e).strip()
+    if not (isinstance(e, dist.DistError) or any(p in text for p in PEER_FAILURE)):
+        return None
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line.split("] ", 1)[-1].split(". ")[0][:200]

@@ -2,7 +2,15 @@
 # A single-node Slurm (slurmctld + slurmd + munge) on this machine, to try and test the cluster path.
 #   scripts/slurm_local.sh start    # installs slurm-wlm + munge with apt-get if missing, starts, waits until idle
 #   scripts/slurm_local.sh status   # prints sinfo; exit 0 when the node answers
-#   scripts/slurm_local.sh stop
+#   scripts/slurm_local.sh stop     # stops both clusters (the one below too)
+# A multi-node cluster beside it: N compute nodes node1..nodeN, each in its own network + UTS namespace (own
+# hostname, own address 10.77.0.(10+K) on a private bridge otbr0 with the host at 10.77.0.1 and no route anywhere
+# else, its own hosts file bind-mounted over /etc/hosts inside the node) with its own slurmd; slurmctld on the host;
+# ports 6827/6828; files in $SLURM_LOCAL_NODES_DIR (default /tmp/outlier_titan-slurm-nodes). Clients use
+# `export SLURM_CONF=$SLURM_LOCAL_NODES_DIR/slurm.conf`. Node sizes: nproc --all / N CPUs each.
+#   scripts/slurm_local.sh start --nodes 2
+#   scripts/slurm_local.sh status --nodes 2
+#   scripts/slurm_local.sh crash K / revive K   # kill -9 every process of node K / start its slurmd again
 # Needs root. Everything lives in $SLURM_LOCAL_DIR (default /tmp/outlier_titan-slurm): slurm.conf, state, logs.
 # The clients find the cluster through /etc/slurm/slurm.conf (linked to ours when absent) or
 # `export SLURM_CONF=$SLURM_LOCAL_DIR/slurm.conf`. Starting twice is harmless.
@@ -36,7 +44,7 @@ install() {
 
 write_conf() {
   local cpus mem
-  cpus=$(nproc)
+  cpus=$(nproc --all)  # the machine's CPUs: plain nproc honours OMP_NUM_THREADS (1 makes a node that runs nothing)
   mem=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
   cat >"$CONF" <<EOF
 # Written by scripts/slurm_local.sh: one node ($cpus CPUs, $mem MiB), one partition, no accounting daemon.
@@ -134,9 +142,155 @@ status() {
   sinfo
 }
 
-case "${1:-}" in
-  start) start;;
-  stop) stop;;
-  status) status;;
-  *) echo "usage: scripts/slurm_local.sh {start|stop|status}" >&2; exit 2;;
+# ---------------------------------------------------------------- the multi-node cluster (--nodes N, N > 1)
+NDIR=${SLURM_LOCAL_NODES_DIR:-/tmp/outlier_titan-slurm-nodes}
+NCONF=$NDIR/slurm.conf
+NCTLD_PORT=${SLURM_LOCAL_NODES_CTLD_PORT:-6827}
+NSLURMD_PORT=${SLURM_LOCAL_NODES_SLURMD_PORT:-6828}
+BRIDGE=otbr0
+
+running_n() { [ -f "$NDIR/$1.pid" ] && kill -0 "$(cat "$NDIR/$1.pid")" 2>/dev/null; }
+
+write_nodes_conf() {
+  local n=$1 cpus=$2 mem=$3 k
+  {
+    echo "# Written by scripts/slurm_local.sh start --nodes $n: $n nodes in network namespaces, $cpus CPUs each."
+    echo "ClusterName=outlier_titan_nodes"
+    echo "SlurmctldHost=$NODE(10.77.0.1)"
+    echo "SlurmctldPort=$NCTLD_PORT"
+    echo "SlurmdPort=$NSLURMD_PORT"
+    echo "SlurmUser=root"
+    echo "SlurmdUser=root"
+    echo "AuthType=auth/munge"
+    echo "AuthInfo=cred_expire=10"
+    echo "StateSaveLocation=$NDIR/state"
+    echo "SlurmdSpoolDir=$NDIR/spool/%n"
+    echo "SlurmctldPidFile=$NDIR/slurmctld.pid"
+    echo "SlurmdPidFile=$NDIR/slurmd-%n.pid"
+    echo "SlurmctldLogFile=$NDIR/slurmctld.log"
+    echo "SlurmdLogFile=$NDIR/slurmd-%n.log"
+    echo "ProctrackType=proctrack/linuxproc"
+    echo "TaskPlugin=task/none"
+    echo "SelectType=select/cons_tres"
+    echo "SelectTypeParameters=CR_CPU"
+    echo "ReturnToService=2"
+    echo "SlurmdTimeout=30"
+    echo "MpiDefault=none"
+    echo "SchedulerType=sched/backfill"
+    echo "SchedulerParameters=sched_interval=1,bf_interval=1,sched_min_interval=100000"
+    echo "AccountingStorageType=accounting_storage/none"
+    echo "JobAcctGatherType=jobacct_gather/none"
+    echo "JobCompType=jobcomp/none"
+    echo "MinJobAge=600"
+    echo "KillWait=30"
+    for k in $(seq "$n"); do
+      echo "NodeName=node$k NodeAddr=10.77.0.$((10 + k)) CPUs=$cpus RealMemory=$mem State=UNKNOWN"
+    done
+    echo "PartitionName=nodes Nodes=node[1-$n] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO"
+  } >"$NCONF"
+}
+
+start_nodes() {
+  local n=$1 k ns cpus mem tool states
+  [ "$(id -u)" = 0 ] || die "scripts/slurm_local.sh start --nodes $n needs root (namespaces, a bridge, slurmd); run it with sudo"
+  for tool in ip unshare nsenter; do
+    command -v "$tool" >/dev/null || die "start --nodes needs '$tool' (iproute2 / util-linux); install it"
+  done
+  mkdir -p "$NDIR/state" "$NDIR/spool"
+  install
+  if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+    ip link add "$BRIDGE" type bridge 2>/dev/null \
+      || die "cannot create the bridge $BRIDGE (network namespaces and bridges are not permitted here?)"
+    ip addr add 10.77.0.1/24 dev "$BRIDGE"
+    ip link set "$BRIDGE" up
+  fi
+  { echo "127.0.0.1 localhost"; echo "10.77.0.1 $NODE"
+    for k in $(seq "$n"); do echo "10.77.0.$((10 + k)) node$k"; done; } >"$NDIR/hosts"
+  for k in $(seq "$n"); do
+    ns=otnode$k
+    ip netns list | grep -qw "$ns" && continue
+    ip netns add "$ns" 2>/dev/null || die "cannot create the network namespace $ns (not permitted here?)"
+    ip link add "otv$k" type veth peer name eth0 netns "$ns"
+    ip link set "otv$k" master "$BRIDGE" up
+    ip -n "$ns" addr add "10.77.0.$((10 + k))/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    ip -n "$ns" link set lo up
+  done
+  cpus=$(( $(nproc --all) / n )); [ "$cpus" -ge 1 ] || cpus=1
+  mem=$(awk -v n="$n" '/MemTotal/ {print int($2 / 1024 * 0.9 / n)}' /proc/meminfo)
+  if ! running_n slurmctld; then  # the conf is written only while slurmctld is down
+    port_taken "$NCTLD_PORT" none && die "port $NCTLD_PORT is taken; set SLURM_LOCAL_NODES_CTLD_PORT to a free port"
+    write_nodes_conf "$n" "$cpus" "$mem"
+  fi
+  start_munge
+  running_n slurmctld || SLURM_CONF=$NCONF slurmctld -f "$NCONF" || die "slurmctld did not start; see $NDIR/slurmctld.log"
+  for k in $(seq "$n"); do
+    [ -n "$(ip netns pids "otnode$k" 2>/dev/null)" ] || start_slurmd "$k"
+  done
+  for _ in $(seq 300); do
+    states=$(SLURM_CONF=$NCONF sinfo -h -N -o %t 2>/dev/null | sort -u | tr '\n' ' ')
+    [ "$states" = "idle " ] && { echo "local Slurm up: nodes node1..node$n idle (SLURM_CONF=$NCONF)"; return; }
+    sleep 0.2
+  done
+  die "the $n local Slurm nodes did not become idle in 60 s; see $NDIR/slurmctld.log and $NDIR/slurmd-node*.log"
+}
+
+stop_nodes() {
+  local ns pid
+  for ns in $(ip netns list 2>/dev/null | awk '/^otnode[0-9]+/ {print $1}'); do
+    for pid in $(ip netns pids "$ns"); do kill -9 "$pid" 2>/dev/null || true; done
+    ip netns del "$ns" 2>/dev/null || true
+  done
+  if running_n slurmctld; then
+    pid=$(cat "$NDIR/slurmctld.pid")
+    kill "$pid"
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  fi
+  ip link del "$BRIDGE" 2>/dev/null || true
+}
+
+start_slurmd() { # node K's slurmd, inside its namespaces (the hostname picks its NodeName)
+  mkdir -p "$NDIR/spool/node$1"
+  SLURM_CONF=$NCONF unshare --mount --uts -- sh -c "mount --bind $NDIR/hosts /etc/hosts && hostname node$1 && exec nsenter --net=/run/netns/otnode$1 slurmd -f $NCONF" \
+    || die "slurmd of node$1 did not start; see $NDIR/slurmd-node$1.log"
+}
+
+crash_node() { # kills every process of node K (its slurmd, job steps, ranks) at once, as a node failure would
+  ip netns list | grep -qw "otnode$1" || die "no node$1 (scripts/slurm_local.sh start --nodes N)"
+  local pid
+  for pid in $(ip netns pids "otnode$1"); do kill -9 "$pid" 2>/dev/null || true; done
+  for _ in $(seq 100); do [ -z "$(ip netns pids "otnode$1")" ] && { echo "node$1 crashed"; return; }; sleep 0.1; done
+  die "processes of node$1 survived kill -9"
+}
+
+revive_node() { # starts node K's slurmd again once its namespace is empty
+  ip netns list | grep -qw "otnode$1" || die "no node$1 (scripts/slurm_local.sh start --nodes N)"
+  [ -z "$(ip netns pids "otnode$1")" ] || die "node$1 still has processes; crash it first"
+  start_slurmd "$1"
+  echo "node$1 revived"
+}
+
+status_nodes() {
+  running_n slurmctld || { echo "the local multi-node Slurm is not running (scripts/slurm_local.sh start --nodes N)"; return 1; }
+  SLURM_CONF=$NCONF sinfo -N
+}
+
+nodes=1
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  crash|revive) [[ "${1:-}" =~ ^[1-9][0-9]*$ ]] || die "usage: scripts/slurm_local.sh $cmd K (a node number)"
+    if [ "$cmd" = crash ]; then crash_node "$1"; else revive_node "$1"; fi; exit 0;;
+esac
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nodes) { [ $# -ge 2 ] && [[ "$2" =~ ^[1-9][0-9]*$ ]]; } || die "--nodes needs a positive number"; nodes=$2; shift 2;;
+    *) die "unknown option $1 (usage: scripts/slurm_local.sh {start|stop|status} [--nodes N])";;
+  esac
+done
+case "$cmd" in
+  start) if [ "$nodes" = 1 ]; then start; else start_nodes "$nodes"; fi;;
+  stop) stop_nodes; stop;;
+  status) if [ "$nodes" = 1 ]; then status; else status_nodes; fi;;
+  *) echo "usage: scripts/slurm_local.sh {start|stop|status} [--nodes N] | {crash|revive} K" >&2; exit 2;;
 esac

@@ -115,7 +115,7 @@ def cmd_run(args) -> int:
 def run_slurm(args, manifest) -> int:
     from outlier_titan.study.plan import point_dir
     from outlier_titan.study.runner import is_finished
-    from outlier_titan.study.slurm import slurm_script, submit
+    from outlier_titan.study.slurm import never_runs, slurm_script, submit
 
     sweep_dir = Path(args.sweep_dir)
     todo = [e["index"] for e in manifest["points"] if not is_finished(point_dir(sweep_dir, e["name"]), e)]
@@ -143,6 +143,10 @@ def run_slurm(args, manifest) -> int:
     if rc != 0:
         print(f"error: sbatch {path} failed (exit {rc})", file=sys.stderr)
         return 1
+    reason = never_runs(output.split()[-1].split(";")[0])
+    if reason:  # reported now, not left PENDING forever
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
     return 0
 
 

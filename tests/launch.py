@@ -35,13 +35,14 @@ class Run:
 
 
 def train(tmp_path: Path, *overrides: str, nproc: int = 1, name: str = "run", config: str = "train_configs/debug.toml",
-          timeout: int = 600) -> Run:
-    """Runs one training job in ``tmp_path/<name>`` and returns its output and metrics.jsonl records."""
+          timeout: int = 600, launcher: str = "torch.distributed.run") -> Run:
+    """Runs one training job in ``tmp_path/<name>`` and returns its output and metrics.jsonl records (several
+    ranks: under ``launcher``, plain torchrun or ``outlier_titan.launch``)."""
     args = ["--config", str(REPO / config), "--job.dump_folder", str(tmp_path), "--job.name", name, *overrides]
     if nproc == 1:
         cmd = [sys.executable, str(REPO / "train.py"), *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        cmd = [sys.executable, "-m", launcher, "--standalone", f"--nproc_per_node={nproc}",
                str(REPO / "train.py"), *args]
     tmp_path.mkdir(parents=True, exist_ok=True)
     # the repository first; what PYTHONPATH held stays after it (e.g. wheels that scripts/gpu_check.sh unpacked)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from outlier_titan.checkpoint.manager import list_checkpoints
+from outlier_titan.exit_codes import FAILURE, INTERRUPTED, STOPPED
 from outlier_titan.observe.logger import read_metrics
 from tests.launch import REPO, TINY
 
@@ -114,7 +115,8 @@ def test_fault_then_resume_equals_uninterrupted(tmp_path, reference, case):
         assert (list_checkpoints(run / "checkpoints"), logged_steps(run)) == written
         assert after == before, f"a checkpoint was committed after the launcher died: {before} -> {after}"
     else:
-        assert code == 0, log[-3000:]
+        assert code == STOPPED, log[-3000:]  # stopped on request, resumable
+        assert "Traceback" not in log, log[-3000:]
         reached = max(losses(run), default=0)
         assert reached < STEPS, "the signal came too late to test anything"
         assert f"{sig.name} received" in log
@@ -151,3 +153,116 @@ def test_user_error_of_any_rank_reaches_the_console(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: data.source:") and "missing.txt" in last, proc.stderr[-3000:]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_rank_killed_during_save_is_a_failure_not_a_user_error(tmp_path):
+    """Issue 29: a rank SIGKILLed while the checkpoint is written ends the launcher with the failure code (1),
+    never the user-error code 2, and no ``error:`` line; the partial save is never committed."""
+    run = tmp_path / "run"
+    proc = launch(tmp_path, "run", "--checkpoint.interval", "1")
+    wait_for(lambda: logged_steps(run) >= 2 and saving(run), what="a checkpoint being written after step 2")
+    before = list_checkpoints(run / "checkpoints")
+    os.kill(ranks_of(proc.pid)[-1], signal.SIGKILL)
+    code = finish(proc, timeout=120)
+    log = (tmp_path / "run.log").read_text()
+    assert code == FAILURE, (code, log[-3000:])
+    assert not [line for line in log.splitlines() if line.startswith("error:")], log[-3000:]
+    assert "failure:" in log, log[-3000:]
+    after = list_checkpoints(run / "checkpoints")
+    assert set(before) <= set(after) and all((run / "checkpoints" / f"step-{s}" / ".metadata").is_file()
+                                             for s in after)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_stops_like_sigterm_and_a_second_aborts(tmp_path, presses):
+    """Issue 29: Ctrl-C (SIGINT to the launcher) finishes the step, saves it and exits 75 without a traceback; a
+    second Ctrl-C aborts at once with 130, one line, and commits nothing more."""
+    run = tmp_path / "run"
+    proc = launch(tmp_path, "run", "--checkpoint.interval", "100")
+    if presses == 1:
+        wait_for(lambda: logged_steps(run) >= 2, what="step 2")
+        proc.send_signal(signal.SIGINT)
+    else:  # both presses while the ranks still start up (a step here is faster than a person's double press)
+        wait_for(lambda: len(ranks_of(proc.pid)) == 2, what="the ranks to start")
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+    code = finish(proc, timeout=120)
+    log = (tmp_path / "run.log").read_text()
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    saved = list_checkpoints(run / "checkpoints")
+    if presses == 1:
+        assert code == STOPPED, (code, log[-3000:])
+        assert "SIGINT received: stopped after step" in log, log[-3000:]
+        assert saved == [max(losses(run))], (saved, log[-2000:])
+    else:
+        assert code == INTERRUPTED, (code, log[-3000:])
+        assert log.strip().splitlines()[-1] == "aborted by a second Ctrl-C; the newest complete checkpoint is kept"
+        assert saved == [] and logged_steps(run) == 0, (saved, log[-2000:])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_frozen_peer_fails_the_run_within_the_collective_timeout(tmp_path):
+    """Issue 29: a rank that freezes (SIGSTOP: no TCP reset) makes its peer fail after
+    ``parallelism.collective_timeout_s``, not gloo's default 30 minutes; the launcher exits with the failure code
+    and a ``failure:`` line that names the setting."""
+    run = tmp_path / "run"
+    proc = launch(tmp_path, "run", "--training.steps", "100000", "--parallelism.collective_timeout_s", "5")
+    wait_for(lambda: logged_steps(run) >= 3, what="step 3")
+    frozen = ranks_of(proc.pid)[-1]
+    os.kill(frozen, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        wait_for(lambda: "failure:" in (tmp_path / "run.log").read_text(), timeout=60, what="the peer's timeout")
+        waited = time.monotonic() - t0
+    finally:
+        os.kill(frozen, signal.SIGCONT)  # lets torchrun's SIGTERM reach it (else it waits 30 s, then SIGKILLs)
+    code = finish(proc, timeout=120)
+    log = (tmp_path / "run.log").read_text()
+    assert code == FAILURE, (code, log[-3000:])
+    assert 5 <= waited < 30, waited
+    assert "parallelism.collective_timeout_s = 5" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("codes, user, failure, aborted, want", [
+    ({75}, [], [], False, (75, [])),
+    ({2}, ["error: x"], [], False, (2, ["error: x"])),
+    ({2, 75}, ["error: x"], [], False, (2, ["error: x"])),
+    ({3, 2}, ["error: d"], [], False, (3, ["error: d"])),
+    ({-9}, [], [], False, (1, ["failure: a rank was killed by SIGKILL; resume from the newest complete checkpoint"])),
+    ({2, -9}, ["error: saving failed"], [], False,
+     (1, ["failure: a rank was killed by SIGKILL; resume from the newest complete checkpoint"])),
+    ({1}, [], ["failure: f"], False, (1, ["failure: f"])),
+    ({1, 75}, [], [], False, (1, [])),
+    ({130}, [], [], True, (130, ["aborted by a second Ctrl-C; the newest complete checkpoint is kept"])),
+    ({75}, [], [], True, (75, [])),  # the second press came after every rank had saved and stopped
+])
+def test_launcher_exit_code_decision(codes, user, failure, aborted, want):
+    """The exit contract's table: a rank that died unreported makes the job a failure (1), never a user error."""
+    from outlier_titan.launch import decide
+
+    assert decide(codes, user, failure, aborted) == want
+
+
+def test_progress_reports_steps_done_and_total(tmp_path):
+    """``python -m outlier_titan.progress`` (read by multinode.slurm): the newest complete checkpoint's step, or
+    the last logged step without checkpoints; an incomplete checkpoint does not count."""
+    ckpts = tmp_path / "run" / "checkpoints"
+    for name in ("step-2", "step-4", "step-6"):
+        (ckpts / name).mkdir(parents=True)
+    for name in ("step-2", "step-4"):
+        (ckpts / name / ".metadata").write_bytes(b"")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 5, "loss": 1.0}\n')
+    base = [sys.executable, "-m", "outlier_titan.progress", "--config", str(REPO / "train_configs/debug.toml"),
+            "--job.dump_folder", str(tmp_path), "--job.name", "run", "--training.steps", "8"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for extra, want in ((["--checkpoint.enable", "true"], "4 8"), (["--checkpoint.enable", "false"], "5 8")):
+        out = subprocess.run([*base, *extra], capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == want, (out.stdout, out.stderr)
+    bad = subprocess.run([*base, "--training.nope", "1"], capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error:"), bad.stderr

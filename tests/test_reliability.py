@@ -82,8 +82,51 @@ def test_damaged_checkpoint_is_one_line_and_kept(copy, damage, fragments):
     else:
         (ckpt / ".metadata").write_bytes(b"not a pickle at all")
     before = snapshot(run_dir)
-    run = train(run_dir.parent, *args, "--training.steps", "6")
+    # Without the checksum check (which would set it aside, see the test below), the load itself refuses it.
+    run = train(run_dir.parent, *args, "--training.steps", "6", "--checkpoint.verify", "false")
     assert_refused(run, fragments)
+    assert snapshot(run_dir) == before
+
+
+def flip(path: Path, offset: int, n: int = 4096) -> None:
+    """Inverts ``n`` bytes of ``path`` from ``offset`` (size unchanged: only the checksum can tell)."""
+    data = bytearray(path.read_bytes())
+    data[offset:offset + n] = bytes(b ^ 0xFF for b in data[offset:offset + n])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damaged", [["step-4"], ["step-2", "step-4"]])
+def test_flipped_bytes_in_a_shard_are_refused_and_set_aside(copy, damaged):
+    """Issue 29: bytes flipped inside a shard (same size, unpickles fine) are caught by the checksums saved with
+    the checkpoint: one WARNING line per checkpoint, moved aside untouched, and the run resumes from the
+    previous checkpoint (or from scratch when none is left)."""
+    run_dir, args = copy
+    ckpts = run_dir / "checkpoints"
+    for name in damaged:
+        shard = ckpts / name / "__0_0.distcp"
+        flip(shard, shard.stat().st_size // 3)
+    kept = {name: snapshot(ckpts / name) for name in damaged}
+    run = train(run_dir.parent, *args, "--training.steps", "4").check()
+    warnings = [line for line in run.stdout.splitlines() if line.startswith("WARNING: checkpoint")]
+    resume = "step-2" if damaged == ["step-4"] else "scratch"
+    assert warnings == [f"WARNING: checkpoint {ckpts / name} is damaged (__0_0.distcp does not match its checksum "
+                        f"(damaged on disk)); moved it aside to {name}.corrupt and resuming from {resume}"
+                        for name in damaged], run.stdout
+    for name in damaged:
+        assert snapshot(ckpts / f"{name}.corrupt") == kept[name]
+    assert ("resumed from " + str(ckpts / "step-2") in run.stdout) == (resume == "step-2")
+    assert [r["step"] for r in run.records if "loss" in r] == \
+        ([1, 2, 3, 4, 3, 4] if resume == "step-2" else [1, 2, 3, 4, 1, 2, 3, 4])
+
+
+def test_a_damaged_checkpoint_asked_for_by_step_is_one_line(copy):
+    run_dir, args = copy
+    shard = run_dir / "checkpoints" / "step-4" / "__0_0.distcp"
+    flip(shard, 100)
+    before = snapshot(run_dir)
+    run = train(run_dir.parent, *args, "--training.steps", "6", "--checkpoint.load_step", "4")
+    assert_refused(run, ["step-4 is damaged: __0_0.distcp does not match its checksum",
+                         "--checkpoint.verify false"])
     assert snapshot(run_dir) == before
 
 
@@ -166,10 +209,37 @@ def test_divergence_aborts_without_checkpointing_the_skipped_steps(copy):
     run = train(run_dir.parent, *args, "--training.steps", "8", "--optimizer.lr", "1e6",
                 "--training.max_skipped_steps", "2")
     assert_refused(run, ["training diverged: steps", "training.max_skipped_steps = 2", "lower optimizer.lr",
-                         "the newest checkpoint step-4 is kept"], code=3)
+                         "the newest checkpoint step-4 is kept", "--checkpoint.load_step 4"], code=3)
     skipped = [line for line in run.stdout.splitlines() if "non-finite gradient norm" in line]
     assert skipped and all(5 <= int(line.split()[1].rstrip(":")) <= 8 for line in skipped)
     assert snapshot(run_dir / "checkpoints") == before
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_diverging_update_is_never_checkpointed(tmp_path, nproc):
+    """Issue 29: with lr 1e6 step 1's gradient is finite but its update ruins the weights (step 2's loss ~1e13,
+    gradient NaN). The guard before each save finds that and keeps no checkpoint of those weights; the error
+    names what to resume from (here: nothing, start afresh)."""
+    args = [*TINY, "--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "1",
+            "--checkpoint.keep_latest_k", "0", "--optimizer.lr", "1e6", "--training.max_skipped_steps", "3"]
+    run = train(tmp_path, *args, nproc=nproc, launcher="outlier_titan.launch")
+    if nproc > 1:  # each rank prints the line, the launcher repeats it last (exit 3)
+        assert run.stderr.strip().splitlines()[-1] == error_lines(run)[0] and len(set(error_lines(run))) == 1
+        run.stderr = error_lines(run)[0]
+    assert_refused(run, ["training diverged: steps 2-4", "no checkpoint precedes it: start afresh",
+                         "--checkpoint.load_step 0", "lower optimizer.lr (now 1e+06)"], code=3)
+    assert "step 1: checkpoint not saved: the weights this step's update produced give a non-finite gradient" \
+        in run.stdout, run.stdout[-3000:]
+    assert not (run.run_dir / "checkpoints").exists() or not any((run.run_dir / "checkpoints").iterdir())
+
+
+def test_the_divergence_guard_changes_no_loss(tmp_path):
+    """The guard's extra forward and backward before a save leaves gradients and RNG as they were: the same
+    losses with a save every step as with none."""
+    args = [*TINY, "--training.steps", "5", "--checkpoint.keep_latest_k", "0"]
+    plain = train(tmp_path, *args, name="plain").check()
+    saved = train(tmp_path, *args, "--checkpoint.enable", "true", "--checkpoint.interval", "1", name="saved").check()
+    assert saved.losses == plain.losses and len(plain.losses) == 5
 
 
 def test_failed_start_leaves_no_run_folder(base, tmp_path):

@@ -16,6 +16,7 @@ import pytest
 
 from outlier_titan.checkpoint.manager import list_checkpoints
 from outlier_titan.observe.logger import read_metrics
+from outlier_titan.study.slurm import never_runs
 from tests.launch import REPO, TINY
 
 
@@ -59,7 +60,11 @@ def sbatch(tmp: Path, name: str, steps: int, *flags: str) -> str:
            "--export=ALL,GPUS_PER_NODE=2", f"--output={tmp}/slurm-%j.out", *flags, "scripts/multinode.slurm",
            *run_args(tmp, name, steps)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, check=True)
-    return out.stdout.strip().split(";")[0]
+    job_id = out.stdout.strip().split(";")[0]
+    reason = never_runs(job_id)
+    if reason:  # at once, not after the test's timeout
+        pytest.fail(reason)
+    return job_id
 
 
 def job(job_id: str) -> dict[str, str]:
@@ -143,6 +148,25 @@ def test_scancel_checkpoints_then_sbatch_resumes(tmp_path, reference):
     assert losses(tmp_path / "a") == reference[0]
 
 
+def test_a_stray_sigterm_to_the_job_step_requeues_and_never_completes_early(tmp_path, reference):
+    """Issue 29: a SIGTERM that reaches the job step but not the batch script (as Slurm's retried signal for a
+    dead node's step does after a requeue) makes the ranks save and exit 75; multinode.slurm did not ask for
+    that stop, so it requeues instead of ending COMPLETED with steps missing; the run then finishes exactly."""
+    job_id = sbatch(tmp_path, "a", STEPS)
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    t0 = time.monotonic()
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 5):
+        assert time.monotonic() - t0 < 300, slurm_log(tmp_path, job_id)[-3000:]
+        time.sleep(0.05)
+    subprocess.run(["scancel", "--signal=TERM", f"{job_id}.0"], check=True)
+    info = wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=300)
+    log = slurm_log(tmp_path, job_id)
+    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, (info["JobState"], log[-3000:])
+    assert "SIGTERM received" in log and "on a signal this script did not send: requeueing" in log, log[-3000:]
+    assert f"ranks exited with 0; {STEPS} of {STEPS} steps done" in log, log[-3000:]
+    assert losses(tmp_path / "a") == reference[0]
+
+
 def test_sweep_job_array_equals_run_local(tmp_path):
     """``sweep.py run --slurm`` submits a real job array (one task per point); the failing point is recorded as
     failed without stopping the others, and ``collect`` gives the table of ``run --local``."""
@@ -175,3 +199,22 @@ def test_sweep_job_array_equals_run_local(tmp_path):
                 assert float(a[col]) == pytest.approx(float(b[col]), rel=1e-6), col
             except ValueError:
                 assert a[col] == b[col], col
+
+
+def test_a_job_that_can_never_run_is_reported_at_once(tmp_path):
+    """Issue 29: more CPUs per task than any node has leaves a Slurm job PENDING forever (reason
+    PartitionConfig); the sweep engine reports it with one line and exit 2 within seconds, and cancels it."""
+    from tests.test_sweep import THREE, write
+    from tests.test_sweep import cli as sweep
+
+    cpus = os.cpu_count() + 1
+    assert sweep("plan", str(write(tmp_path, THREE)), "--out", "big", cwd=tmp_path).returncode == 0
+    t0 = time.monotonic()
+    proc = sweep("run", "big", "--slurm", "--gpus-per-node", "0", "--cpus-per-task", str(cpus), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert time.monotonic() - t0 < 30
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: Slurm job ") and "can never start" in line and "PartitionConfig" in line, line
+    job_id = line.split()[3]
+    assert not subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip()
+

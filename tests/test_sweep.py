@@ -295,7 +295,7 @@ def test_sigterm_then_kill_9_then_rerun_resumes(tmp_path):
     stopped = _checkpoints(ckpts)[-1]
     assert 5 <= stopped < 40
     state = json.loads((out / "points" / "p1" / "sweep_state.json").read_text())
-    assert state["status"] == "pending" and state["error"] == "interrupted" and state["returncode"] == 0
+    assert state["status"] == "pending" and state["error"] == "interrupted" and state["returncode"] == 75  # stopped
     assert f"SIGTERM received: stopped after step {stopped}" in (out / "points" / "p1" / "train.log").read_text()
 
     # 2. kill -9: no chance to forward anything; PDEATHSIG stops the trainer

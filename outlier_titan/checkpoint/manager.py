@@ -1,7 +1,8 @@
 """Distributed checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout: ``<run>/checkpoints/step-<N>/`` holding DCP shards, ``.metadata``, ``config.toml`` (the reference for
-the resume compatibility check) and ``meta.json`` (tokenizer fingerprint). A save is
+the resume compatibility check), ``meta.json`` (tokenizer fingerprint) and ``checksums.json`` (every file's
+size and hash, see ``integrity``: verified before a resume, a damaged checkpoint is moved aside). A save is
 written to ``.tmp-step-<N>`` and committed by an atomic rename once every rank has finished, so a folder
 named ``step-<N>`` is always complete; an interrupted save leaves only a temporary folder that is ignored
 (and removed by the next save). Model and optimizer state are FQN-keyed, so DCP reshards them between
@@ -35,8 +36,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from outlier_titan.checkpoint import integrity
 from outlier_titan.checkpoint.run_folder import on_rank0
-from outlier_titan.errors import CheckpointError
+from outlier_titan.errors import CheckpointError, RunFailure
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -125,37 +127,49 @@ def step_folders(folder: Path) -> dict[int, Path]:
     return {int(m.group(1)): child for child in folder.iterdir() if (m := STEP_RE.match(child.name))}
 
 
-def select_checkpoint(folder: Path, load_step: int) -> tuple[int | None, list[int]]:
-    """The step to resume from (None: start fresh) and the unreadable newer ``step-<N>`` folders (no DCP
-    ``.metadata``) to move aside with :func:`move_aside`. Reads only. An explicitly requested step that is
-    unreadable is an error."""
+def select_checkpoint(folder: Path, load_step: int, verify: bool = True) -> tuple[int | None, dict[int, str]]:
+    """The step to resume from (None: start fresh) and the unusable newer ``step-<N>`` folders, each with why
+    (no DCP ``.metadata``; with ``verify``, a file that does not match the checkpoint's checksums), to move aside
+    with :func:`move_aside`. Reads only. An explicitly requested step that is unusable is an error."""
     if load_step == 0:
-        return None, []
+        return None, {}
     folders = step_folders(folder)
     complete = list_checkpoints(folder)
     if load_step > 0:
         if load_step in complete:
-            return load_step, []
+            bad = integrity.problem(folders[load_step]) if verify else None
+            if bad:
+                raise CheckpointError(f"checkpoint {folders[load_step]} is damaged: {bad}; choose another "
+                                      f"checkpoint.load_step (complete: {', '.join(map(str, complete))}) or load "
+                                      "it anyway with --checkpoint.verify false")
+            return load_step, {}
         if load_step in folders:
             raise CheckpointError(f"checkpoint {folders[load_step]} is incomplete (no .metadata); choose another "
                                   f"checkpoint.load_step (complete: {', '.join(map(str, complete)) or 'none'})")
         raise CheckpointError(f"checkpoint.load_step = {load_step} not found in {folder}; "
                               f"available: {', '.join(map(str, complete)) or 'none'}")
-    step = complete[-1] if complete else None
-    return step, sorted(s for s in folders if s not in complete and (step is None or s > step))
+    unusable = {s: "unreadable (no .metadata)" for s in folders if s not in complete}
+    step = None
+    for s in reversed(complete):
+        bad = integrity.problem(folders[s]) if verify else None
+        if not bad:
+            step = s
+            break
+        unusable[s] = f"damaged ({bad})"
+    return step, {s: why for s, why in sorted(unusable.items()) if step is None or s > step}
 
 
-def move_aside(folder: Path, bad: list[int], resume_step: int | None) -> list[str]:
-    """Renames each unreadable ``step-<N>`` to ``step-<N>.corrupt`` (never deleted or overwritten); returns the
-    loud console lines."""
+def move_aside(folder: Path, bad: dict[int, str], resume_step: int | None) -> list[str]:
+    """Renames each unusable ``step-<N>`` to ``step-<N>.corrupt`` (never deleted or overwritten); returns the
+    loud console lines, one per checkpoint, with why it was refused."""
     notes = []
-    for s in bad:
+    for s, why in sorted(bad.items()):
         src = folder / f"step-{s}"
         aside, k = src.with_name(src.name + ".corrupt"), 1
         while aside.exists():
             aside, k = src.with_name(f"{src.name}.corrupt{k}"), k + 1
         os.replace(src, aside)
-        notes.append(f"WARNING: checkpoint {src} is unreadable (no .metadata); moved it aside to {aside.name} and "
+        notes.append(f"WARNING: checkpoint {src} is {why}; moved it aside to {aside.name} and "
                      f"resuming from {f'step-{resume_step}' if resume_step is not None else 'scratch'}")
     return notes
 
@@ -217,6 +231,10 @@ class Checkpointer:
         try:
             dcp.save(self.states, checkpoint_id=str(tmp))
             dist.barrier()
+            # Each rank hashes the shards it wrote (in parallel); rank 0 writes the list with the commit.
+            shards = [None] * dist.get_world_size()
+            dist.all_gather_object(shards, integrity.digests(tmp, integrity.own_shards(tmp, self.rank)),
+                                   group=_cpu_group())
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -226,6 +244,9 @@ class Checkpointer:
             try:
                 (tmp / "config.toml").write_text(self.config_toml)
                 (tmp / "meta.json").write_text(json.dumps({**self.meta, "step": step}, indent=1))
+                files = {k: v for part in shards for k, v in part.items()}
+                files.update(integrity.digests(tmp, [".metadata", "config.toml", "meta.json"]))
+                integrity.write(tmp, files)
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
@@ -239,13 +260,21 @@ class Checkpointer:
         return final
 
     @staticmethod
-    def _save_failed(step: int, final: Path, tmp: Path, needed: int, e: BaseException) -> CheckpointError:
+    def _save_failed(step: int, final: Path, tmp: Path, needed: int, e: BaseException) -> Exception:
+        """The user's problem (disk full, no permission: CheckpointError, exit 2) or not (RunFailure, exit 1:
+        a peer rank died mid-save, a network or file-system error)."""
         if _is_disk_full(e):
             return CheckpointError(f"no space left on device while saving step {step} to {final} (needs "
                                    f"~{_gib(needed)}); removed the partial {tmp.name}, previous checkpoints are "
                                    "kept; free space or set job.dump_folder elsewhere")
-        return CheckpointError(f"saving step {step} to {final} failed ({_first_line(_root_causes(e)[0])}); removed "
-                               f"the partial {tmp.name}, previous checkpoints are kept")
+        cause = _root_causes(e)[0]
+        if isinstance(cause, PermissionError) or getattr(cause, "errno", None) in (errno.EACCES, errno.EROFS):
+            return CheckpointError(f"saving step {step} to {final} failed ({_first_line(cause)}); removed the "
+                                   f"partial {tmp.name}, previous checkpoints are kept; make the folder writable "
+                                   "or set job.dump_folder elsewhere")
+        return RunFailure(f"saving step {step} to {final} failed ({_first_line(cause)}; a peer rank may have "
+                          f"died); the partial {tmp.name} is not used, previous checkpoints are kept: resume from "
+                          "the newest")
 
     def _purge(self) -> None:
         for stale in self.folder.glob(".tmp-step-*"):
@@ -321,7 +350,7 @@ BREAKING = {
     **{f"lr_scheduler.{k}": "the LR schedule changes mid-run" for k in (
         "warmup_steps", "decay", "decay_ratio", "min_lr_ratio")},
 }
-IGNORED = {"checkpoint.load_step", "checkpoint.allow_config_change", "job.dry_run"}
+IGNORED = {"checkpoint.load_step", "checkpoint.allow_config_change", "checkpoint.verify", "job.dry_run"}
 
 
 def config_changes(saved_toml: str, current_toml: str, saved_meta: dict | None = None,

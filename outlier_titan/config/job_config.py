@@ -210,6 +210,12 @@ class Parallelism:
     dp_replicate: int = opt(1, "HSDP replicate degree.")
     dp_shard: int = opt(-1, "FSDP shard degree (-1 = fill the remaining ranks).")
     tp: int = opt(1, "Tensor-parallel degree.")
+    # --- failure detection (docs/launching.md)
+    collective_timeout_s: int = opt(600, "Seconds a collective may wait for a peer before the rank fails (exit 1) "
+                                         "instead of hanging: a frozen or unreachable peer then ends the job in "
+                                         "minutes. Must exceed the longest gap between collectives (a checkpoint "
+                                         "save or load, an evaluation); raise it for huge checkpoints on slow "
+                                         "storage.")
 
 
 @dataclass
@@ -224,7 +230,12 @@ class Checkpoint:
     allow_config_change: bool = opt(False, "Resume even when a setting that breaks the run changed (model, "
                                            "optimizer state layout, tokenizer, data, seq_len, LR schedule).")
     stop_signals: str = opt("SIGTERM,SIGUSR1", "Signals that make every rank finish its step, save a checkpoint "
-                                               "and exit 0 (comma-separated; from SIGTERM, SIGUSR1, SIGUSR2).")
+                                               "and exit 75 (stopped, resumable; comma-separated; from SIGTERM, "
+                                               "SIGUSR1, SIGUSR2). Ctrl-C always stops this way.")
+    # --- integrity (docs/launching.md)
+    verify: bool = opt(True, "Check a checkpoint's files against the checksums saved with it before resuming; "
+                             "a damaged one is moved aside (step-N.corrupt) and the previous one is used. False "
+                             "skips the check (rank 0 reads the whole checkpoint once: seconds per GiB).")
 
 
 @dataclass

@@ -60,20 +60,31 @@ def device_type_for(setting: str) -> str:
     return setting
 
 
-def init_distributed(device_type: str) -> tuple[int, int]:
+def init_distributed(device_type: str, timeout_s: int = 600) -> tuple[int, int]:
     """Initialises the default process group (NCCL on GPU, gloo on CPU); returns (rank, world_size).
 
+    Every process group (the default one, the DeviceMesh's, the host-side gloo group) waits ``timeout_s``
+    for a peer (``parallelism.collective_timeout_s``), not c10d's default of 30 minutes (10 for NCCL).
     A plain ``python train.py`` (no torchrun) runs as world size 1 through the same code path.
     """
+    import datetime
     import os
 
+    from torch.distributed import distributed_c10d
+
+    if timeout_s < 1:
+        raise ConfigError(f"parallelism.collective_timeout_s = {timeout_s} must be at least 1 (seconds)")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # The groups that init_device_mesh and new_group create take c10d's module default, read at creation.
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(free_port()))
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -5,14 +5,14 @@ One code path for ``run --local`` (many points, ``--parallel K`` at a time) and 
 :func:`run_points`. Robustness rules:
 
 - a point is finished when its run folder says so (final step logged, with validation/probe records and the
-  final checkpoint when those are enabled), never because an exit code was 0: a trainer stopped by SIGTERM
-  also exits 0, and is resumed from its checkpoint next time;
+  final checkpoint when those are enabled), never because an exit code was 0; a trainer stopped by SIGTERM
+  exits 75 (stopped, resumable) and is resumed from its checkpoint next time;
 - children are started with ``Popen`` from the main thread, in their own session (Ctrl-C reaches only the
   sweep, which then stops them cleanly) and with ``PR_SET_PDEATHSIG = SIGTERM``, so a ``kill -9`` of the sweep
   makes the trainer checkpoint and exit instead of running on as an orphan; the recorded pid is the trainer's
   (the launcher's for several ranks);
 - SIGTERM, SIGINT and SIGUSR1 to the sweep are passed to every running trainer as SIGTERM (the trainer's
-  "checkpoint at the next step boundary and exit 0"; the launcher forwards it to its ranks), and no new point
+  "checkpoint at the next step boundary and exit 75"; the launcher forwards it to its ranks), and no new point
   starts;
 - a failing point does not stop the others: its status and the trainer's one-line ``error:`` message (or the
   last line of its log) are recorded in ``sweep_state.json``;
@@ -37,6 +37,7 @@ from typing import Any
 from outlier_titan.checkpoint.manager import list_checkpoints
 from outlier_titan.config.manager import tomllib
 from outlier_titan.errors import UserError
+from outlier_titan.exit_codes import STOPPED
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.study.plan import point_dir
 
@@ -257,8 +258,8 @@ class PointRun:
         wall = time.time() - self.t0
         if is_finished(self.folder, self.entry):
             status, err = "done", ""
-        elif rc == 0 or stopping:
-            status, err = "pending", "interrupted" + (f" (exit {rc})" if rc else "")
+        elif rc in (0, STOPPED) or stopping:  # 75: stopped on request after saving (outlier_titan.exit_codes)
+            status, err = "pending", "interrupted" + (f" (exit {rc})" if rc not in (0, STOPPED) else "")
         else:
             status, err = "failed", error_line(self.folder / LOG, self.log_offset) or f"exit code {rc}"
         if self.primary:

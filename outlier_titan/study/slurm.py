@@ -55,7 +55,11 @@ def slurm_script(sweep_dir: Path, indices: list[int], options: dict[str, Any], p
               "NNODES=${SLURM_NNODES:-1}",
               'if [ "$NNODES" -gt 1 ]; then',
               '  head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              '  head_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk \'{print $1}\')',
+              # the address Slurm uses for the node, else its first address from `hostname -I` (never loopback)
+              '  head_ip=$(scontrol show node "$head_node" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)',
+              '  if ! [[ "$head_ip" =~ ^[0-9]+\\.[0-9]+\\.[0-9]+\\.[0-9]+$ ]] || [[ "$head_ip" == 127.* ]]; then',
+              '    head_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname -I | awk \'{print $1}\')',
+              '  fi',
               f'  srun --kill-on-bad-exit=1 {task} --nnodes "$NNODES" --rdzv-endpoint "$head_ip:29500" '
               '--rdzv-id "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" &',
               "else",
@@ -84,3 +88,31 @@ def submit(script: Path) -> tuple[int, str]:
         return -1, ""
     proc = subprocess.run(["sbatch", str(script)], capture_output=True, text=True)
     return proc.returncode, (proc.stdout + proc.stderr).strip()
+
+
+# Pending reasons that no amount of waiting clears: the request exceeds what the partition's nodes have.
+NEVER_RUNS = {"PartitionConfig": "asks for more CPUs, memory or GPUs per node than any node of the partition has",
+              "PartitionNodeLimit": "asks for more nodes than the partition has",
+              "PartitionTimeLimit": "asks for more time than the partition allows",
+              "BadConstraints": "has constraints no node satisfies"}
+
+
+def never_runs(job_id: str, wait_s: float = 5.0) -> str | None:
+    """A one-line reason why submitted job ``job_id`` can never start (Slurm leaves such a job PENDING forever),
+    or None. Checks its pending reason for up to ``wait_s`` seconds (Slurm sets these at submission or at the
+    first scheduling pass); cancels the job when it can never run."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True)
+        fields = out.stdout.split()
+        state, reason = (fields + ["", ""])[:2]
+        if state != "PENDING" or reason in NEVER_RUNS or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if reason not in NEVER_RUNS:
+        return None
+    subprocess.run(["scancel", job_id], capture_output=True)
+    return (f"Slurm job {job_id} can never start: it {NEVER_RUNS[reason]} (pending reason {reason}; see "
+            "sinfo -o '%n %c %m %G'); cancelled it: ask for less (--cpus-per-task, --nodes, --gpus-per-node, --time)")
