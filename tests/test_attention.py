@@ -160,7 +160,7 @@ def test_backend_fused_or_explicit(monkeypatch, variant):
     attention(q, k, v, variant, opts=AttentionOptions(variant=variant), sink=sink)
     assert len(calls) == (1 if variant in attn_mod.FUSED else 0), variant
     if variant == "sink_logit":
-        assert calls[0]["attn_mask"].shape == (2, 5, 6)  # the sink column plus the causal keys
+        assert calls[0]["attn_mask"].shape == (1, 2, 5, 6)  # the sink column plus the causal keys
     # the probe hook always takes the explicit path
     calls.clear()
     attention(q, k, v, variant, opts=AttentionOptions(variant=variant), sink=sink, prob_hook=lambda p: None)

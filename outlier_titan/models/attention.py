@@ -214,12 +214,12 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, opts: AttentionOptions, 
 
 
 def _sink_mask(sink: torch.Tensor, t: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive float mask [H, T, T+1]: column 0 (a zero key) scores the head's sink logit, columns 1.. are
+    """Additive float mask [1, H, T, T+1] (4-d: the fused kernels take no 3-d masks): column 0 (a zero key) scores the head's sink logit, columns 1.. are
     the causal keys (0 or -inf)."""
     causal = torch.zeros(t, t, dtype=dtype, device=sink.device).masked_fill(
         ~torch.ones(t, t, dtype=torch.bool, device=sink.device).tril(), float("-inf"))
     h = sink.shape[0]
-    return torch.cat([sink.to(dtype).view(h, 1, 1).expand(h, t, 1), causal.expand(h, t, t)], dim=-1)
+    return torch.cat([sink.to(dtype).view(h, 1, 1).expand(h, t, 1), causal.expand(h, t, t)], dim=-1).unsqueeze(0)
 
 
 def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions, scale: float,
