@@ -9,7 +9,10 @@ finish their step, checkpoint and exit 75 ("stopped, resumable", ``outlier_titan
 - exits with the contract's code (``outlier_titan.exit_codes``, docs/launching.md): 0 finished, 75 stopped on
   request and resumable, 2 user error (the one-line ``error:`` of whichever rank hit it, last on the console),
   3 diverged, 1 failure (a rank died or was killed, a save failed not by the user: never 2), 130 after a second
-  Ctrl-C.
+  Ctrl-C;
+- writes that code to ``$OUTLIER_TITAN_EXIT_FILE.node<SLURM_NODEID>`` when the variable is set, so
+  ``scripts/multinode.slurm`` can tell that its node's launcher has ended while ``srun`` still waits for a task on
+  a node that died (see its watchdog).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import sys
 import threading
 
 from outlier_titan.preempt import ERROR_DIR_ENV
+
+EXIT_FILE_ENV = "OUTLIER_TITAN_EXIT_FILE"
 
 # Handlers first: importing torch.distributed.run takes seconds, and a signal in that window must not kill us.
 _pending: list[int] = []
@@ -118,7 +123,17 @@ def main(argv: list[str] | None = None) -> int:
         import shutil
 
         shutil.rmtree(error_dir, ignore_errors=True)
+    _write_exit_file(code)
     return code
+
+
+def _write_exit_file(code: int) -> None:
+    base = os.environ.get(EXIT_FILE_ENV)
+    if base:
+        path = f"{base}.node{os.environ.get('SLURM_NODEID', '0')}"
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{code}\n")
+        os.replace(path + ".tmp", path)  # the watchdog never reads a half-written file
 
 
 def decide(codes: set[int], user_lines: list[str], failure_lines: list[str], aborted: bool) -> tuple[int, list[str]]:

@@ -17,7 +17,8 @@ from tests.test_slurm import losses, slurm_log
 
 CONF = Path(os.environ.get("SLURM_LOCAL_NODES_DIR", "/tmp/outlier_titan-slurm-nodes")) / "slurm.conf"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "SLURM_CONF": str(CONF)}
-STEPS = 20
+STEPS = 40
+SLURM_LOCAL = [str(REPO / "scripts" / "slurm_local.sh")]
 
 
 def _reason() -> str | None:
@@ -37,7 +38,34 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.skipif(_REASON is
 def run_args(tmp: Path, name: str) -> list[str]:
     return ["train_configs/debug.toml", *TINY, "--parallelism.dp_shard", "2", "--training.steps", str(STEPS),
             "--job.dump_folder", str(tmp), "--job.name", name, "--checkpoint.enable", "true",
-            "--checkpoint.interval", "1000"]
+            "--checkpoint.interval", "10"]
+
+
+def sbatch(tmp: Path, name: str, *export: str) -> str:
+    cmd = ["sbatch", "--parsable", f"--chdir={REPO}", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1",
+           ",".join(["--export=ALL", "GPUS_PER_NODE=1", *export]), f"--output={tmp}/slurm-%j.out",
+           "scripts/multinode.slurm", *run_args(tmp, name)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, check=True).stdout.strip()
+
+
+def wait_for_end(job_id: str, limit_s: float) -> str:
+    t0 = time.monotonic()
+    while (state := job_state(job_id)) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        assert time.monotonic() - t0 < limit_s, f"job {job_id} still {state} after {limit_s} s"
+        time.sleep(1)
+    return state
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """Losses of the same run under ``python -m outlier_titan.launch --standalone --nproc_per_node 2``."""
+    tmp = tmp_path_factory.mktemp("ref")
+    config, *overrides = run_args(tmp, "ref")
+    ref = subprocess.run([sys.executable, "-m", "outlier_titan.launch", "--standalone", "--nproc_per_node=2",
+                          "train.py", "--config", config, *overrides], cwd=REPO, env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return losses(tmp / "ref")
 
 
 def job_state(job_id: str) -> str:
@@ -45,26 +73,39 @@ def job_state(job_id: str) -> str:
     return dict(f.split("=", 1) for f in out.stdout.split() if "=" in f).get("JobState", "?")
 
 
-def test_two_nodes_one_rank_each_equal_the_standalone_launcher(tmp_path):
+def test_two_nodes_one_rank_each_equal_the_standalone_launcher(tmp_path, reference):
     """Issue 29: multinode.slurm on 2 nodes x 1 rank (rendezvous over the bridge at the first node's NodeAddr)
     gives the losses of ``python -m outlier_titan.launch --standalone --nproc_per_node 2`` bit for bit, and
     its start-up line shows each rank on its own host."""
-    config, *overrides = run_args(tmp_path, "ref")
-    ref = subprocess.run([sys.executable, "-m", "outlier_titan.launch", "--standalone", "--nproc_per_node=2",
-                          "train.py", "--config", config, *overrides], cwd=REPO, env=ENV, capture_output=True,
-                         text=True, timeout=300)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    cmd = ["sbatch", "--parsable", f"--chdir={REPO}", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1",
-           "--export=ALL,GPUS_PER_NODE=1", f"--output={tmp_path}/slurm-%j.out", "scripts/multinode.slurm",
-           *run_args(tmp_path, "a")]
-    job_id = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, check=True).stdout.strip()
-    t0 = time.monotonic()
-    while (state := job_state(job_id)) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-        assert time.monotonic() - t0 < 300, f"job {job_id} still {state}"
-        time.sleep(1)
+    job_id = sbatch(tmp_path, "a")
+    state = wait_for_end(job_id, 300)
     log = slurm_log(tmp_path, job_id)
     assert state == "COMPLETED", log[-3000:]
     assert "hosts: node1 rank 0 | node2 rank 1" in log, log[-3000:]
     assert "rendezvous=10.77.0.11:" in log, log[-3000:]
-    assert losses(tmp_path / "a") == losses(tmp_path / "ref")
+    assert losses(tmp_path / "a") == reference
 
+
+def test_a_node_that_dies_and_comes_back_costs_a_requeue_not_the_run(tmp_path, reference):
+    """Issue 29: node2 dies mid-run (every process killed at once) and its slurmd is back 5 s later, before
+    Slurm would mark it DOWN. Rank 0 fails (exit 1), srun keeps waiting for node2's lost task, the script's
+    watchdog ends srun STEP_GRACE_S later, the job requeues, resumes from the newest checkpoint and ends COMPLETED
+    with every step done and the uninterrupted run's loss at every step."""
+    job_id = sbatch(tmp_path, "a", "STEP_GRACE_S=5")
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    t0 = time.monotonic()
+    while not (metrics.is_file() and max(losses(tmp_path / "a"), default=0) >= 15):
+        assert time.monotonic() - t0 < 180 and job_state(job_id) in ("PENDING", "RUNNING"), \
+            f"job {job_id} {job_state(job_id)} before step 15"
+        time.sleep(0.2)
+    try:
+        subprocess.run([*SLURM_LOCAL, "crash", "2"], env=ENV, check=True, capture_output=True, timeout=60)
+    finally:
+        time.sleep(5)
+        subprocess.run([*SLURM_LOCAL, "revive", "2"], env=ENV, check=True, capture_output=True, timeout=60)
+    state = wait_for_end(job_id, 300)
+    log = slurm_log(tmp_path, job_id)
+    assert state == "COMPLETED", log[-3000:]
+    assert "ending srun" in log and "a rank or node failed (exit 1)" in log and "requeueing" in log, log[-3000:]
+    assert f"{STEPS} of {STEPS} steps done" in log, log[-3000:]
+    assert losses(tmp_path / "a") == reference
