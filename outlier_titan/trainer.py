@@ -37,7 +37,7 @@ from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import build_meta_model, count_params, flops_per_token
 from outlier_titan.observe.logger import MetricsLogger, Throughput, peak_memory_gib
 from outlier_titan.optim.builder import build_optimizer, build_param_groups
-from outlier_titan.optim.tile_engine import TileAdamBase
+from outlier_titan.optim.tiles.base import TileAdamBase
 from outlier_titan.optim.tile_optimizers import check_tile_plans
 from outlier_titan.optim.lr_schedule import build_lr_scheduler
 from outlier_titan.parallel.dims import ParallelDims, device_type_for, init_distributed

@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:
 from outlier_titan import cli  # noqa: E402
 from outlier_titan.optim.orthoadam import OrthoAdam  # noqa: E402
 from outlier_titan.optim.soap import SOAP  # noqa: E402
-from outlier_titan.optim.tile_engine import EngineOptions  # noqa: E402
+from outlier_titan.optim.tiles.options import EngineOptions  # noqa: E402
 
 
 def gpt2_124m_shapes(vocab: int = 50304, dim: int = 768, layers: int = 12, ctx: int = 1024) -> list[tuple]:
@@ -390,7 +390,7 @@ def run_soap_ab(args, command: str) -> float:
     import importlib.util
 
     from outlier_titan.optim import soap as this_soap
-    from outlier_titan.optim.tile_engine import EngineOptions
+    from outlier_titan.optim.tiles.options import EngineOptions
 
     path = Path(args.before) / "outlier_titan" / "optim" / "soap.py"
     if not path.is_file():
@@ -433,7 +433,7 @@ def run_compile_math(args, command: str) -> dict:
     ``adam_directions`` alone on GPT-2 small's rotated matrices (or one layer's) with SOAP's and OrthoAdam's
     coefficients; whether the compiled kernel gives the same bits when its input is cut as a shard boundary would
     cut it; and whole OrthoAdam steps, eager and compiled stepped alternately (ABBA pairs)."""
-    from outlier_titan.optim.tile_engine import adam_directions, compiled_adam_directions
+    from outlier_titan.optim.tiles.adam import adam_directions, compiled_adam_directions
 
     dim = 768
     shapes = ([(dim, dim)] * 48 + [(4 * dim, dim)] * 12 + [(dim, 4 * dim)] * 12 + [(1024, dim)]

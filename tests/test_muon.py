@@ -162,7 +162,7 @@ def _groups(params, names, lr=2e-2):
 
 
 def _run_plain(layout, steps, full_every=1, ns_dtype="float64", per_head=None):
-    from outlier_titan.optim.tile_engine import EngineOptions
+    from outlier_titan.optim.tiles.options import EngineOptions
     from tests.test_optim_layouts import SPEC, full_grads, full_params
 
     names = [n for n, _ in SPEC]
@@ -190,7 +190,7 @@ def test_block_periodic_every_1_equals_full_and_every_k_interleaves_full_and_blo
 
 
 def test_block_tiles_are_orthogonalised_separately_with_their_own_lr_scale():
-    from outlier_titan.optim.tile_engine import EngineOptions
+    from outlier_titan.optim.tiles.options import EngineOptions
 
     g = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter(torch.zeros(8, 12, dtype=torch.float64))
@@ -231,7 +231,8 @@ def test_block_layout_is_layout_invariant(layout):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    from outlier_titan.optim.tile_engine import EngineOptions, local_indices
+    from outlier_titan.optim.tiles.options import EngineOptions
+    from outlier_titan.optim.tiles.shards import local_indices
     from tests.test_optim_layouts import MESHES, SPEC, _put, fake_rank, full_grads, full_params, placements
 
     steps = 3

@@ -25,7 +25,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     from outlier_titan.optim.muon import MuonAdamW
-    from outlier_titan.optim.tile_engine import EngineOptions
+    from outlier_titan.optim.tiles.options import EngineOptions
     from tests.test_muon import _groups
     from tests.test_optim_layouts import MESHES, SPEC, full_grads, full_params, placements
 

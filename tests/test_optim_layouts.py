@@ -20,7 +20,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from outlier_titan.optim.orthoadam import OrthoAdam
 from outlier_titan.optim.soap import SOAP
-from outlier_titan.optim.tile_engine import EngineOptions, TileAlignmentError, local_indices
+from outlier_titan.optim.tiles.options import EngineOptions
+from outlier_titan.optim.tiles.plan import TileAlignmentError
+from outlier_titan.optim.tiles.shards import local_indices
 
 D, F, V = 16, 32, 32
 SPEC = [("tok_embeddings.weight", (V, D)), ("layers.0.attention_norm.weight", (D,)),

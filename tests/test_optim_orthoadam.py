@@ -7,7 +7,7 @@ from outlier_titan.errors import CheckpointError
 from outlier_titan.optim.bases import (REPRESENTATIONS, check_basis, haar_basis, hadamard_basis,
                                        is_signed_permutation, tile_seed)
 from outlier_titan.optim.orthoadam import OrthoAdam
-from outlier_titan.optim.tile_engine import EngineOptions
+from outlier_titan.optim.tiles.options import EngineOptions
 
 NAMES = ["layers.0.attention.wq.weight", "layers.0.feed_forward.w2.weight", "layers.0.attention_norm.weight",
          "tok_embeddings.weight"]
@@ -88,7 +88,7 @@ def test_signed_permutation_basis_is_rejected():
 @pytest.mark.parametrize("name", ["haar", "hadamard"])
 def test_builtin_bases_are_orthogonal_and_mix(name):
     for size in (2, 8, 64):
-        b = REPRESENTATIONS[name](size, tile_seed(0, "x.weight", 0, 3))
+        b = REPRESENTATIONS[name].dense(size, tile_seed(0, "x.weight", 0, 3))
         check_basis(b, size, name)
         assert not is_signed_permutation(b)
         if size >= 8:
@@ -279,18 +279,30 @@ def test_resident_basis_bytes_count_dense_and_factored_forms():
     assert sizes[False] == 2 * (2 * 256 * 8 + 2 * 256 * 4 + 2 * 16 * 16 * 4)
 
 
-@pytest.mark.parametrize("basis", ["hadamard", "haar_kron"])
-def test_structured_bases_fail_a_non_power_of_two_tile_in_the_meta_model_pre_check(basis):
+@pytest.mark.parametrize("basis", sorted(REPRESENTATIONS))
+def test_a_non_power_of_two_tile_fails_the_meta_model_pre_check_when_the_basis_needs_it(basis):
+    """A tile of 12 fails before the model is materialised exactly for the bases that declare ``needs_pow2``
+    (hadamard and haar_kron), with one line naming the basis; OrthoAdam's own check at construction reads the
+    same attribute and says the same."""
     from outlier_titan.config.job_config import Model as ModelConfig
     from outlier_titan.config.job_config import Optimizer as OptimizerConfig
     from outlier_titan.models.registry import build_meta_model
     from outlier_titan.optim.builder import build_param_groups
-    from outlier_titan.optim.tile_engine import TileAlignmentError
     from outlier_titan.optim.tile_optimizers import check_tile_plans
+    from outlier_titan.optim.tiles.plan import TileAlignmentError
 
+    assert REPRESENTATIONS[basis].needs_pow2 == (basis in ("hadamard", "haar_kron"))
     _, _, model = build_meta_model(ModelConfig(name="pre_ln", flavor="debug"), 256, 32)
     cfg = OptimizerConfig(name="orthoadam", basis=basis, tile_size=12)
-    with pytest.raises(TileAlignmentError, match="power-of-two"):
-        check_tile_plans(build_param_groups(model, cfg), cfg)
-    check_tile_plans(build_param_groups(model, OptimizerConfig(name="orthoadam", basis="haar", tile_size=12)),
-                     OptimizerConfig(name="orthoadam", basis="haar", tile_size=12))
+    groups = build_param_groups(model, cfg)
+    own = [torch.nn.Parameter(torch.randn(24, 24))]
+    expected = f"the {basis} basis needs power-of-two tiles (tile 12, ragged last tile"
+    if not REPRESENTATIONS[basis].needs_pow2:
+        check_tile_plans(groups, cfg)
+        OrthoAdam([{"params": own, "names": ["w"]}], basis=basis, options=EngineOptions(tile_size=12))
+        return
+    with pytest.raises(TileAlignmentError) as pre:
+        check_tile_plans(groups, cfg)
+    assert "\n" not in str(pre.value) and expected in str(pre.value)
+    with pytest.raises(TileAlignmentError, match=expected.replace("(", r"\(")):
+        OrthoAdam([{"params": own, "names": ["w"]}], basis=basis, options=EngineOptions(tile_size=12))

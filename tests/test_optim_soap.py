@@ -11,7 +11,7 @@ import torch
 
 from outlier_titan.errors import CheckpointError
 from outlier_titan.optim.soap import SOAP
-from outlier_titan.optim.tile_engine import EngineOptions
+from outlier_titan.optim.tiles.options import EngineOptions
 
 
 def _eig_desc(p):

@@ -9,10 +9,7 @@ import pytest
 
 from outlier_titan.models.registry import build_meta_model
 from outlier_titan.optim.builder import build_param_groups
-from outlier_titan.optim.orthoadam import OrthoAdam
-from outlier_titan.optim.soap import SOAP
-from outlier_titan.optim.tile_engine import plan_param
-from outlier_titan.optim.tile_optimizers import engine_options
+from outlier_titan.optim.tile_optimizers import tile_plans
 from outlier_titan.study.reproduce import SUITES
 from outlier_titan.study.spec import _vocab_size, load_sweep
 from tests.launch import REPO
@@ -31,17 +28,14 @@ def test_every_tile_optimizer_point_rotates_whole_axes(path):
         study = path.stem == "tiles"
         assert (opt.tile_size in (0, 128, 64, 32) if study else opt.tile_size == 0), point.name
         assert opt.vocab_axis == "tile", point.name
-        cls = SOAP if opt.name == "soap" else OrthoAdam
         _, _, model = build_meta_model(point.cfg.model, _vocab_size(point.cfg.data.tokenizer),
                                        point.cfg.training.seq_len)
-        for group in build_param_groups(model, opt):
-            for p, fqn in zip(group["params"], group["names"]):
-                plan = plan_param(fqn, p, engine_options(opt), cls.group_other_axis, False, cls.stacked_state)
-                for size, axis in zip(p.shape, plan.axes):
-                    rotates = 2 <= size <= opt.max_precond_dim and (p.ndim == 2 or opt.one_d == "rotate")
-                    want = min(opt.tile_size, size) if opt.tile_size else size
-                    assert axis.rotate == rotates and axis.tile == (want if rotates else axis.tile), (point.name, fqn)
-                    checked += 1
+        for p, fqn, plan in tile_plans(build_param_groups(model, opt), opt):
+            for size, axis in zip(p.shape, plan.axes):
+                rotates = 2 <= size <= opt.max_precond_dim and (p.ndim == 2 or opt.one_d == "rotate")
+                want = min(opt.tile_size, size) if opt.tile_size else size
+                assert axis.rotate == rotates and axis.tile == (want if rotates else axis.tile), (point.name, fqn)
+                checked += 1
     if path.stem in ("cpu", "smoke", "synthetic", "tiles") and path.parent.name in ("kaul2024", "he2024"):
         assert checked, f"{path} has no OrthoAdam / SOAP point"
 

@@ -9,12 +9,12 @@ Representations (``optimizer.basis``):
   haar      Q of the QR decomposition of a Gaussian matrix, columns sign-fixed by diag(R) (Haar measure).
   hadamard  randomized Hadamard P·D·H/sqrt(n): a Sylvester Hadamard matrix, random signs D and a random
             row permutation P. Every rotated coordinate spreads +-1/sqrt(n) over the whole tile.
-            Needs power-of-two tile sizes.
+            Needs power-of-two tile sizes (``needs_pow2``).
   haar_kron Kronecker-factored Haar: Q_1 ⊗ ... ⊗ Q_m with each Q_i Haar of size <= 16 (``kron_factor_sizes``).
             Applying it costs 2·(f_1 + ... + f_m) FLOP per element instead of 2·n, and every rotated coordinate
             still mixes the whole tile, but the mixing is structured: a basis vector is a product of m small
             random vectors, not a uniformly random direction (a Haar basis draws from all of O(n)).
-            Needs power-of-two tile sizes.
+            Needs power-of-two tile sizes (``needs_pow2``).
   identity  the identity (no rotation): OrthoAdam becomes AdamW. For tests and ablations only.
 
 ``hadamard`` and ``haar_kron`` are also available factored (``structured_basis``): a permutation, signs
@@ -22,12 +22,13 @@ and Kronecker factors, which OrthoAdam applies as small batched matmuls on a res
 dense tile product (H_256 = H_16 ⊗ H_16).
 
 A signed permutation (or diagonal signs alone) is rejected: Adam is exactly equivariant to it, so such a
-"rotation" changes nothing (reference/anchor_optimizers.md §4.3).
+"rotation" changes nothing (Adam's element-wise square, root and division commute with it).
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -116,7 +117,7 @@ def haar_kron_basis(size: int, seed: int) -> torch.Tensor:
 def structured_basis(name: str, size: int, seed: int):
     """The factored form (perm or None, signs or None, [factors]) of basis ``name`` with
     B = P·D·(K_1 ⊗ ... ⊗ K_m), (P y)[r] = y[perm[r]], D = diag(signs); None for dense-only bases.
-    Equal to the dense ``REPRESENTATIONS[name](size, seed)`` up to float rounding."""
+    Equal to the dense ``REPRESENTATIONS[name].dense(size, seed)`` up to float rounding."""
     if name == "hadamard" and is_power_of_two(size):
         perm, signs = _hadamard_perm_signs(size, seed)
         return perm, signs, [sylvester_hadamard(f) for f in kron_factor_sizes(size)]
@@ -129,12 +130,30 @@ def identity_basis(size: int, seed: int) -> torch.Tensor:
     return torch.eye(size, dtype=torch.float64)
 
 
-REPRESENTATIONS: dict[str, BasisFn] = {
-    "hadamard": hadamard_basis,
-    "haar": haar_basis,
-    "haar_kron": haar_kron_basis,
-    "identity": identity_basis,
-}
+@dataclass(frozen=True)
+class Basis:
+    """A representation and the facts the rest of the optimizer reads from it.
+
+    ``dense``: (size, seed) -> the float64 orthogonal matrix. ``needs_pow2``: every tile edge (and a ragged last
+    tile) must be a power of two; the tile plan checks it (``tiles.plan.plan_param``), at construction and in the
+    meta-model pre-check, and names the basis in its error. ``factored``: ``structured_basis`` gives a factored
+    form, which OrthoAdam applies by default. ``trusted``: orthogonal and mixing by construction, so the
+    per-tile ``check_basis`` is skipped (a custom function is checked).
+    """
+
+    name: str
+    dense: BasisFn
+    needs_pow2: bool = False
+    factored: bool = False
+    trusted: bool = False
+
+
+REPRESENTATIONS: dict[str, Basis] = {b.name: b for b in (
+    Basis("hadamard", hadamard_basis, needs_pow2=True, factored=True, trusted=True),
+    Basis("haar", haar_basis, trusted=True),
+    Basis("haar_kron", haar_kron_basis, needs_pow2=True, factored=True, trusted=True),
+    Basis("identity", identity_basis),
+)}
 
 
 def is_signed_permutation(basis: torch.Tensor, tol: float = 1e-9) -> bool:
@@ -160,13 +179,14 @@ def check_basis(basis: torch.Tensor, size: int, where: str, allow_trivial: bool 
                          f"rotation); use a mixing basis such as 'hadamard' or 'haar'")
 
 
-def resolve_representation(basis: str | BasisFn) -> tuple[str, BasisFn]:
-    """(name, function) for a representation name or a custom (size, seed) -> matrix function."""
+def resolve_representation(basis: str | BasisFn) -> Basis:
+    """The ``Basis`` of a representation name, or of a custom (size, seed) -> matrix function (no tile rule,
+    checked per tile)."""
     if callable(basis):
-        return getattr(basis, "__name__", "custom"), basis
+        return Basis(getattr(basis, "__name__", "custom"), basis)
     if basis not in REPRESENTATIONS:
         raise ValueError(f"optimizer.basis = {basis!r} is not known; choose one of: {', '.join(REPRESENTATIONS)}")
-    return basis, REPRESENTATIONS[basis]
+    return REPRESENTATIONS[basis]
 
 
 def basis_checksum(name: str, fn: BasisFn, global_seed: int, sizes: list[int]) -> str:

@@ -41,7 +41,11 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from outlier_titan.errors import UserError
-from outlier_titan.optim.tile_engine import EngineOptions, local_indices, plan_param, to_tiles, from_tiles
+from outlier_titan.optim.tile_optimizers import engine_options
+from outlier_titan.optim.tiles.kernels import from_tiles, to_tiles
+from outlier_titan.optim.tiles.options import EngineOptions
+from outlier_titan.optim.tiles.plan import plan_param
+from outlier_titan.optim.tiles.shards import local_indices
 
 LAYOUTS = ("full", "block", "block_periodic")
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -172,8 +176,6 @@ def _coefficients(values) -> tuple[float, ...]:
 
 def build_muon(model: nn.Module, cfg, seed: int) -> "MuonAdamW":
     """``optimizer.name = "muon"`` from the config (``seed`` unused: Muon has no random state)."""
-    from outlier_titan.optim.tile_optimizers import engine_options
-
     return MuonAdamW(muon_param_groups(model, cfg), layout=cfg.muon_layout, full_every=cfg.muon_full_every,
                      ns_dtype=cfg.muon_ns_dtype, per_head=head_dims(model) if cfg.muon_per_head else None,
                      options=engine_options(cfg))
@@ -250,7 +252,7 @@ class MuonAdamW(torch.optim.Optimizer):
         opts = EngineOptions(tile_size=base.tile_size, shard_tile_size=base.shard_tile_size,
                              max_shards=base.max_shards, tile_size_overrides=overrides,
                              tile_alignment=base.tile_alignment, max_precond_dim=1 << 62, nonfinite_guard=False)
-        return plan_param(fqn, p, opts, group_other_axis=False, pow2=False, stacked_state=False)
+        return plan_param(fqn, p, opts, group_other_axis=False, basis=None, stacked_state=False)
 
     # -- step ---------------------------------------------------------------------------------------------
     @torch.no_grad()

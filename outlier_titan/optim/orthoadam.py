@@ -1,8 +1,9 @@
-"""OrthoAdam (seed 000, Algorithm 1) on the tile engine: Adam whose moments live in a fixed orthogonal basis.
+"""OrthoAdam (Kaul et al. 2024, arXiv 2410.17174, Algorithm 1) on the tile engine: Adam whose moments live in a
+fixed orthogonal basis.
 
 The paper's Q is a dense orthogonal matrix over the whole flattened parameter, which is infeasible; here
 Q = ⊕_tiles (B0 ⊗ B1), a Kronecker product of per-axis tile bases on the global tile grid (a legal instance
-of Algorithm 1, seed_orthoadam.md §2.4). Each basis is regenerated from (global seed, FQN, axis, tile) on
+of Algorithm 1: any fixed orthogonal Q will do). Each basis is regenerated from (global seed, FQN, axis, tile) on
 every rank that owns the tile (see ``bases.py``), so nothing but a spec and a checksum is checkpointed.
 
 Update per tile (bias-corrected as in Algorithm 1 and torch AdamW, eps added to sqrt(v̂)):
@@ -16,13 +17,14 @@ from __future__ import annotations
 import torch
 
 from outlier_titan.errors import UserError
-from outlier_titan.optim.bases import (BasisFn, basis_checksum, check_basis, is_signed_permutation,
+from outlier_titan.optim.bases import (Basis, BasisFn, basis_checksum, check_basis, is_signed_permutation,
                                        resolve_representation, structured_basis, tile_seed)
-from outlier_titan.optim.tile_engine import (EngineOptions, ParamPlan, Segment, TileAdamBase, from_tiles, local,
-                                             rotate_tiles, state_dtype_for, to_tiles)
-
-STRUCTURED = ("hadamard", "haar_kron")
-"""Representations applied in factored form (permutation, signs, Kronecker factors) unless ``dense=True``."""
+from outlier_titan.optim.tiles.base import TileAdamBase
+from outlier_titan.optim.tiles.kernels import from_tiles, rotate_tiles, to_tiles
+from outlier_titan.optim.tiles.options import EngineOptions
+from outlier_titan.optim.tiles.plan import ParamPlan, Segment
+from outlier_titan.optim.tiles.state import state_dtype_for
+from outlier_titan.parallel.tensor_parallel import local
 
 
 class KronAxis:
@@ -129,16 +131,17 @@ class OrthoAdam(TileAdamBase):
                  weight_decay: float = 0.0, *, seed: int = 0, basis: str | BasisFn = "hadamard",
                  options: EngineOptions | None = None, flag_group=None, dense: bool = False,
                  factored_min_tile: int = 64) -> None:
-        name, fn = resolve_representation(basis)
+        rep = self.tile_basis(basis)
+        name = rep.name
         options = options or EngineOptions()
         if name != "identity" and options.tile_size == 1:
             raise UserError(f"optimizer.tile_size = 1: a rotation needs tiles of at least 2 (0: whole axes)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, options, pow2=(name in STRUCTURED), flag_group=flag_group)
+        super().__init__(params, defaults, options, basis=rep, flag_group=flag_group)
         self.seed = int(seed)
         self.representation = name
-        self._basis_fn = fn
-        self.structured = name in STRUCTURED and not dense
+        self._basis = rep
+        self.structured = rep.factored and not dense
         self._bases: dict[torch.Tensor, tuple] = {}
         self._kron: dict[torch.Tensor, tuple] = {}
         for p, plan in self.plans.items():
@@ -151,10 +154,15 @@ class OrthoAdam(TileAdamBase):
                 self._bases[p] = (self._axis_bases(p, plan, 0), self._axis_bases(p, plan, 1))
         sizes = sorted({s for plan in self.plans.values() for ax in plan.axes if ax.rotate
                         for s in (ax.tile, ax.size % ax.tile) if s >= 2})
-        spec = f"{name};seed={self.seed};checksum={basis_checksum(name, fn, self.seed, sizes)}"
+        spec = f"{name};seed={self.seed};checksum={basis_checksum(name, rep.dense, self.seed, sizes)}"
         for group in self.param_groups:
             group["basis_spec"] = spec
         self._materialize()
+
+    @classmethod
+    def tile_basis(cls, basis: str | BasisFn) -> Basis:
+        """The fixed basis of ``optimizer.basis`` (its ``needs_pow2`` rule joins the tile plan)."""
+        return resolve_representation(basis)
 
     def resident_basis_bytes(self) -> int:
         """Bytes of the bases this rank holds: dense tile bases, or the factored form's gathers, signs and factors."""
@@ -172,14 +180,13 @@ class OrthoAdam(TileAdamBase):
             return None
         lp = local(p)
         dtype = state_dtype_for(p)
-        trusted = self.representation in ("hadamard", "haar", "haar_kron")
         out = {}
         for seg in ax.segments:
             mats = []
             for g in ax.local_tiles[seg.pos:seg.pos + seg.count]:
-                b = self._basis_fn(seg.size, tile_seed(self.seed, plan.fqn, axis, g))
+                b = self._basis.dense(seg.size, tile_seed(self.seed, plan.fqn, axis, g))
                 where = f"optimizer: {plan.fqn} axis {axis} tile {g}"
-                if not trusted:
+                if not self._basis.trusted:
                     check_basis(b, seg.size, where, allow_trivial=self.representation == "identity")
                 elif seg.size >= 2 and is_signed_permutation(b):
                     # Orthogonal by construction; still refuse a basis that does not mix.

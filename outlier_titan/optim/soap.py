@@ -1,6 +1,6 @@
 """SOAP (Vyas et al. 2024) on the tile engine: Adam in the eigenbasis of per-tile Shampoo factors.
 
-Each tile T of a 2-D weight (global grid, see ``tile_engine``) keeps its own factors L_T = EMA(G Gᵀ),
+Each tile T of a 2-D weight (global grid, see ``optim/tiles``) keeps its own factors L_T = EMA(G Gᵀ),
 R_T = EMA(Gᵀ G) and eigenbases Q_L, Q_R. The order of operations is the official implementation's
 (nikhilvyas/SOAP, Vyas et al. 2024, arXiv 2409.11321):
 
@@ -26,7 +26,7 @@ eigen-work (eigh, diag(QᵀPQ), the power step and its QR) runs in float64. In f
 factor's small eigenvalues are set by rounding noise, and Adam's per-coordinate normalisation turns that
 noise into full-size update differences: on the debug model, FSDP 2 vs world size 1 (gradients equal up to
 reduction order) gave per-step losses 1.5e-3 apart with fp32 factors and eigh, 2e-7 apart with float64.
-The shard-local variant's default tiles are square (``tile_engine.plan_param``): a non-square tile's larger factor is rank-deficient at
+The shard-local variant's default tiles are square (``tiles.plan.plan_param``): a non-square tile's larger factor is rank-deficient at
 first, and its null-space eigenvectors are rounding noise too (3e-5 apart between layouts even in float64).
 """
 
@@ -37,8 +37,12 @@ import contextlib
 import torch
 
 from outlier_titan.errors import UserError
-from outlier_titan.optim.tile_engine import (EngineOptions, ParamPlan, TileAdamBase, as_global, from_tiles, local,
-                                             rotate_tiles, state_dtype_for, to_tiles)
+from outlier_titan.optim.tiles.base import TileAdamBase
+from outlier_titan.optim.tiles.kernels import from_tiles, rotate_tiles, to_tiles
+from outlier_titan.optim.tiles.options import EngineOptions
+from outlier_titan.optim.tiles.plan import ParamPlan
+from outlier_titan.optim.tiles.state import as_global, state_dtype_for
+from outlier_titan.parallel.tensor_parallel import local
 
 FACTOR_KEYS = ("L", "R")
 BASIS_KEYS = ("QL", "QR")

@@ -3,15 +3,28 @@
 Signature ``(param_groups, cfg, seed) -> Optimizer``; each group carries ``names`` (FQNs), which seed the
 OrthoAdam bases. The paper ablations are plain config: Adam with beta1 = 0 (``optimizer.beta1 = 0``, i.e.
 RMSProp in the rotated basis) and a larger eps (``optimizer.eps``).
+
+``tile_plans`` plans every parameter as the configured optimizer will at construction (its class' grid rules,
+its basis' tile rule, the config's engine options); the meta-model pre-check and the reports' tile-grid
+description both read it.
 """
 
 from __future__ import annotations
 
+import re
+from typing import Iterator
+
+import torch
+
 from outlier_titan.config.job_config import Optimizer as OptimizerConfig
-from outlier_titan.optim.orthoadam import STRUCTURED, OrthoAdam
+from outlier_titan.errors import UserError
+from outlier_titan.optim.orthoadam import OrthoAdam
 from outlier_titan.optim.soap import SOAP
-from outlier_titan.optim.bases import resolve_representation
-from outlier_titan.optim.tile_engine import EngineOptions
+from outlier_titan.optim.tiles.base import TileAdamBase
+from outlier_titan.optim.tiles.options import EngineOptions
+from outlier_titan.optim.tiles.plan import ParamPlan
+
+TILE_OPTIMIZERS: dict[str, type[TileAdamBase]] = {"orthoadam": OrthoAdam, "soap": SOAP}
 
 
 def engine_options(cfg: OptimizerConfig) -> EngineOptions:
@@ -34,37 +47,36 @@ def build_soap(groups: list[dict], cfg: OptimizerConfig, seed: int) -> SOAP:
                 stagger=cfg.refresh_stagger, factor_dtype=cfg.soap_factor_dtype, options=engine_options(cfg))
 
 
-def check_tile_plans(groups: list[dict], cfg: OptimizerConfig) -> None:
-    """The tile engine's per-parameter checks (tile alignment with the shards, dimensionality) on the sharded
-    parameters' layout alone: run on the meta model, they fail in seconds instead of after materialising it."""
-    if cfg.name not in ("orthoadam", "soap"):
-        return
-    from outlier_titan.optim.tile_engine import plan_param
-
-    cls = SOAP if cfg.name == "soap" else OrthoAdam
-    pow2 = cfg.name == "orthoadam" and resolve_representation(cfg.basis)[0] in STRUCTURED
+def tile_plans(groups: list[dict], cfg: OptimizerConfig) -> Iterator[tuple[torch.Tensor, str, ParamPlan]]:
+    """(parameter, FQN, tile plan) of every parameter in ``groups``, planned as ``cfg``'s tile optimizer plans it
+    at construction. Raises ``TileAlignmentError`` (a ``UserError``) at the first parameter that does not fit."""
+    if cfg.name not in TILE_OPTIMIZERS:
+        raise UserError(f"optimizer.name = {cfg.name!r} has no tile grid; choose one of: {', '.join(TILE_OPTIMIZERS)}")
+    cls = TILE_OPTIMIZERS[cfg.name]
+    basis = cls.tile_basis(cfg.basis)
     options = engine_options(cfg)
     for group in groups:
         for p, fqn in zip(group["params"], group["names"]):
-            plan_param(fqn, p, options, cls.group_other_axis, pow2, cls.stacked_state)
+            yield p, fqn, cls.plan(fqn, p, options, basis)
+
+
+def check_tile_plans(groups: list[dict], cfg: OptimizerConfig) -> None:
+    """The tile engine's per-parameter checks (tile alignment with the shards, the basis' power-of-two rule,
+    dimensionality) on the sharded parameters' layout alone: run on the meta model, they fail in seconds instead
+    of after materialising it. A no-op for optimizers without tiles."""
+    if cfg.name in TILE_OPTIMIZERS:
+        for _ in tile_plans(groups, cfg):
+            pass
 
 
 def describe_tile_grid(model, cfg: OptimizerConfig) -> list[str]:
     """One line per parameter class (layer indices folded to ``*``): the tile edge along each axis and whether it is
     the whole axis, as the engine plans it for ``cfg`` on one rank. Reports state it for every OrthoAdam/SOAP run."""
-    import re
-
     from outlier_titan.optim.builder import build_param_groups
-    from outlier_titan.optim.tile_engine import plan_param
 
-    cls = SOAP if cfg.name == "soap" else OrthoAdam
-    pow2 = cfg.name == "orthoadam" and resolve_representation(cfg.basis)[0] in STRUCTURED
-    options = engine_options(cfg)
     seen: dict[str, str] = {}
-    for group in build_param_groups(model, cfg):
-        for p, fqn in zip(group["params"], group["names"]):
-            plan = plan_param(fqn, p, options, cls.group_other_axis, pow2, cls.stacked_state)
-            axes = [f"{a.tile} ({'whole' if a.tile == a.size else f'{a.n_tiles} tiles'})" if a.rotate else
-                    f"{a.size} unrotated" for a in plan.axes[:len(p.shape) or 1]]
-            seen.setdefault(re.sub(r"\.\d+\.", ".*.", fqn), f"{list(p.shape)}: " + " × ".join(axes))
+    for p, fqn, plan in tile_plans(build_param_groups(model, cfg), cfg):
+        axes = [f"{a.tile} ({'whole' if a.tile == a.size else f'{a.n_tiles} tiles'})" if a.rotate else
+                f"{a.size} unrotated" for a in plan.axes[:len(p.shape) or 1]]
+        seen.setdefault(re.sub(r"\.\d+\.", ".*.", fqn), f"{list(p.shape)}: " + " × ".join(axes))
     return [f"`{k}` {v}" for k, v in seen.items()]

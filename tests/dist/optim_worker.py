@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 from outlier_titan.optim.orthoadam import OrthoAdam  # noqa: E402
 from outlier_titan.optim.soap import SOAP  # noqa: E402
-from outlier_titan.optim.tile_engine import EngineOptions  # noqa: E402
+from outlier_titan.optim.tiles.options import EngineOptions  # noqa: E402
 
 D, F, V, LAYERS = 16, 32, 32, 2
 STEPS, RESUME_AT = 6, 3
@@ -189,7 +189,7 @@ def main(layout: str, out: Path) -> None:
             if rank == 0:
                 torch.save(result, out / f"{layout}_resumed_{kind}.pt")
     if layout == "fsdp2xtp2":
-        from outlier_titan.optim.tile_engine import TileAlignmentError
+        from outlier_titan.optim.tiles.plan import TileAlignmentError
 
         model = shard(Tiny(), layout)
         named = list(model.named_parameters())
