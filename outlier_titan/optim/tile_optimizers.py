@@ -69,13 +69,12 @@ def check_tile_plans(groups: list[dict], cfg: OptimizerConfig) -> None:
             pass
 
 
-def describe_tile_grid(model, cfg: OptimizerConfig) -> list[str]:
+def describe_tile_grid(groups: list[dict], cfg: OptimizerConfig) -> list[str]:
     """One line per parameter class (layer indices folded to ``*``): the tile edge along each axis and whether it is
-    the whole axis, as the engine plans it for ``cfg`` on one rank. Reports state it for every OrthoAdam/SOAP run."""
-    from outlier_titan.optim.builder import build_param_groups
-
+    the whole axis, as the engine plans it for ``cfg`` on one rank (``groups`` of the unsharded, e.g. meta, model).
+    Reports state it for every OrthoAdam/SOAP run."""
     seen: dict[str, str] = {}
-    for p, fqn, plan in tile_plans(build_param_groups(model, cfg), cfg):
+    for p, fqn, plan in tile_plans(groups, cfg):
         axes = [f"{a.tile} ({'whole' if a.tile == a.size else f'{a.n_tiles} tiles'})" if a.rotate else
                 f"{a.size} unrotated" for a in plan.axes[:len(p.shape) or 1]]
         seen.setdefault(re.sub(r"\.\d+\.", ".*.", fqn), f"{list(p.shape)}: " + " × ".join(axes))
