@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from outlier_titan.errors import UserError
 from outlier_titan.observe.logger import read_metrics
+from outlier_titan.packaged import configs_dir
 from outlier_titan.study import stats
 from outlier_titan.study.papers import SUITE_INFO, SuiteInfo
 from outlier_titan.study.plan import point_dir
