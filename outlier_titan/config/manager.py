@@ -255,6 +255,7 @@ def _representable(key: str, v: float) -> None:
 
 def help_text() -> str:
     lines = ["usage: train.py --config FILE.toml [--section.key value ...] [--dry_run]", "",
+             "--config also takes a packaged config by name: debug, suites/kaul2024/smoke (outlier_titan.packaged).",
              "Every key below can be set in the TOML file ([section] key = value) or on the command line."]
     for sec_name, section in _sections(JobConfig()).items():
         lines.append(f"\n[{sec_name}]")
