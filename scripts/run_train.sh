@@ -16,4 +16,4 @@ LOG_RANK=${LOG_RANK:-0}
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec python3 -m outlier_titan.launch --standalone --nproc_per_node="$NGPU" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  train.py --config "$CONFIG" "$@"
+  -m outlier_titan.train --config "$CONFIG" "$@"

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
 import matplotlib.image as mpimg
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def analyze():
-    spec = importlib.util.spec_from_file_location("script_analyze", REPO / "scripts" / "analyze.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("outlier_titan.tools.analyze")
 
 
 def write_run(folder: Path, kurt_scale: float) -> Path:

@@ -3,10 +3,9 @@ bar, and scripts/evaluate.py."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import io
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,14 +20,11 @@ from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import model_args
 from outlier_titan.quant.ptq import SCHEMES
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The tool module behind ``scripts/<name>.py`` (``outlier_titan.tools.<name>``)."""
+    return importlib.import_module(f"outlier_titan.tools.{name}")
 
 
 class Uniform(nn.Module):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
+import importlib
 import json
 import math
 import subprocess
@@ -257,10 +257,7 @@ def test_cli_end_to_end(tmp_path):
 
 
 def test_cli_errors_exit_2_and_hparam_plot(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("script_fit_scaling", REPO / "scripts" / "fit_scaling.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    main = mod.main
+    main = importlib.import_module("outlier_titan.tools.fit_scaling").main
     table = write_table(tmp_path / "results.csv", isoflop_rows(np.random.default_rng(7))[:2])
     cases = [([str(tmp_path / "missing.csv")], "no such file"),
              ([str(table), "--loss", "val_ppl"], "no column 'val_ppl' (--loss)"),

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from outlier_titan.checkpoint.run_folder import STALE_SECONDS, RunFolder
+from outlier_titan.data.tokenizer import EMBEDDED_BPE
 from outlier_titan.errors import RunFolderError
 from tests.launch import REPO, TINY, train
 
@@ -41,7 +42,7 @@ def base(tmp_path_factory):
     corpus.write_text("".join((Path(shutil.__file__).parent / name).read_text() for name in
                               ("shutil.py", "textwrap.py", "argparse.py")))
     tok = root / "tok.tiktoken"
-    shutil.copy(REPO / "assets" / "tokenizer" / "stdlib_bpe.tiktoken", tok)
+    shutil.copy(EMBEDDED_BPE, tok)
     args = [*TINY, *STEPS, "--data.source", str(corpus), "--data.tokenizer", str(tok),
             "--data.cache_dir", str(root / "cache")]
     run = train(root, *args, "--training.steps", "4", name="run").check()

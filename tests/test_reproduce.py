@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from outlier_titan.data.tokenizer import EMBEDDED_BPE
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.study.papers import SUITE_INFO
 from outlier_titan.study.stats import VERDICTS, estimate
@@ -108,7 +109,7 @@ def test_gpu_dry_run_lists_the_papers_runs_on_1_and_8_gpus():
                 "franke2025": (3, "angpt")}
     for suite, (count, name) in expected.items():
         proc = _run("--suite", suite, "--scale", "gpu", "--dry-run", "--tokenizer",
-                    "assets/tokenizer/stdlib_bpe.tiktoken", timeout=300)
+                    str(EMBEDDED_BPE), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "1GPU:micro" in proc.stdout and "8GPU:micro" in proc.stdout
         runs = [ln.split() for ln in proc.stdout.splitlines() if re.match(r"^\S+\s+[\d.]+[kMG]\s", ln)]

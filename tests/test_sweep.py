@@ -78,12 +78,9 @@ BAD_FILES = {
 
 
 def scripts_main():
-    """``scripts/sweep.py``'s main, for in-process calls (no interpreter start-up)."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import sweep as sweep_cli
-    finally:
-        sys.path.pop(0)
+    """``scripts/sweep.py``'s main (``outlier_titan.tools.sweep``), for in-process calls (no interpreter start-up)."""
+    from outlier_titan.tools import sweep as sweep_cli
+
     return sweep_cli.main
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.errors import UserError
+from outlier_titan.packaged import resolve_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -138,9 +139,12 @@ def set_values(cfg: JobConfig, values: dict[str, Any]) -> None:
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {path} (pass an existing TOML file, e.g. train_configs/debug.toml)")
+    """A TOML file, or the packaged config of that name (``debug``, ``train_configs/debug.toml``: see
+    :mod:`outlier_titan.packaged`) where no such file exists."""
+    p = resolve_config(path)
+    if p is None:
+        raise ConfigError(f"config file not found: {path} (pass an existing TOML file or a packaged config name, "
+                          f"e.g. train_configs/debug.toml or debug)")
     try:
         with p.open("rb") as f:
             return tomllib.load(f)
@@ -251,6 +255,7 @@ def _representable(key: str, v: float) -> None:
 
 def help_text() -> str:
     lines = ["usage: train.py --config FILE.toml [--section.key value ...] [--dry_run]", "",
+             "--config also takes a packaged config by name: debug, suites/kaul2024/smoke (outlier_titan.packaged).",
              "Every key below can be set in the TOML file ([section] key = value) or on the command line."]
     for sec_name, section in _sections(JobConfig()).items():
         lines.append(f"\n[{sec_name}]")

@@ -2,8 +2,8 @@
 
 Three ways to get one (``data.tokenizer``):
 
-* ``"embedded"``: the byte-level BPE trained by ``scripts/train_tokenizer.py`` on this Python's standard library,
-  shipped as ``assets/tokenizer/stdlib_bpe.tiktoken`` (no network needed);
+* ``"embedded"``: the byte-level BPE trained by ``outlier_titan.tools.train_tokenizer`` on this Python's standard
+  library, shipped as package data ``outlier_titan/assets/tokenizer/stdlib_bpe.tiktoken`` (no network needed);
 * a path to a tiktoken BPE rank file: one ``<base64 token> <rank>`` per line, ranks 0..n-1 (the format of
   ``tiktoken.load.load_tiktoken_bpe``; Llama-3's ``tokenizer.model`` is such a file);
 * ``"tiktoken:<name>"``: a named tiktoken encoding (e.g. ``cl100k_base``); tiktoken downloads it once, so this works
@@ -26,6 +26,7 @@ from pathlib import Path
 import tiktoken
 
 from outlier_titan.errors import DataError
+from outlier_titan.packaged import embedded_bpe
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -48,8 +49,7 @@ SPLIT_PATTERN = (
     r"""|\s"""
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-EMBEDDED_BPE = REPO_ROOT / "assets" / "tokenizer" / "stdlib_bpe.tiktoken"
+EMBEDDED_BPE = embedded_bpe()
 
 
 class Tokenizer:
@@ -180,8 +180,8 @@ def build_tokenizer(spec: str) -> Tokenizer:
     """``"embedded"``, a BPE rank file path, or ``"tiktoken:<name>"`` (see the module docstring)."""
     if spec == "embedded":
         if not EMBEDDED_BPE.is_file():
-            raise DataError(f"data.tokenizer: the shipped BPE file {EMBEDDED_BPE} is missing; restore it from git "
-                            "or rebuild it with scripts/train_tokenizer.py")
+            raise DataError(f"data.tokenizer: the shipped BPE file {EMBEDDED_BPE} is missing; reinstall the package "
+                            "or rebuild it with python -m outlier_titan.tools.train_tokenizer")
         return load_bpe_file(EMBEDDED_BPE)
     if spec.startswith("tiktoken:"):
         return _named_encoding(spec.split(":", 1)[1])

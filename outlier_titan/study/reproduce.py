@@ -22,12 +22,12 @@ from typing import Any, Callable
 
 from outlier_titan.errors import UserError
 from outlier_titan.observe.logger import read_metrics
+from outlier_titan.packaged import configs_dir
 from outlier_titan.study import stats
 from outlier_titan.study.papers import SUITE_INFO, SuiteInfo
 from outlier_titan.study.plan import point_dir
 from outlier_titan.study.stats import Estimate, estimate
 
-REPO = Path(__file__).resolve().parents[2]
 SUITES = tuple(SUITE_INFO)
 SMOKE_ONLY = ("sinks2025",)  # suites without their cpu / gpu scales yet
 SCALES = ("smoke", "cpu", "search", "synthetic", "tiles", "gpu")
@@ -52,15 +52,15 @@ def suite_file(suite: str, scale: str) -> Path:
         raise UserError(f"--suite {suite!r} is not a suite; choose one of {', '.join(SUITES)}")
     if scale not in SCALES:
         raise UserError(f"--scale {scale!r} is not a scale; choose one of {', '.join(SCALES)}")
-    path = REPO / "train_configs" / "suites" / suite / f"{scale}.toml"
+    path = configs_dir() / "suites" / suite / f"{scale}.toml"
     if scale in OPTIONAL_SCALES and not path.is_file():
-        have = sorted(p.parent.name for p in (REPO / "train_configs" / "suites").glob(f"*/{scale}.toml"))
+        have = sorted(p.parent.name for p in (configs_dir() / "suites").glob(f"*/{scale}.toml"))
         raise UserError(f"suite {suite} has no {OPTIONAL_SCALES[scale]} (train_configs/suites/{suite}/{scale}.toml)"
                         f"; suites with one: {', '.join(have) or 'none'}")
     if not path.is_file() and suite in SMOKE_ONLY:
         raise UserError(f"suite {suite} has only the smoke scale so far; use --scale smoke")
     if not path.is_file():
-        raise UserError(f"suite file {path} is missing; restore it from git")
+        raise UserError(f"suite file {path} is missing; reinstall the package (or restore it from git)")
     return path
 
 
@@ -78,7 +78,7 @@ def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, 
         ckpt = folder / "checkpoints" / f"step-{e['steps']}"
         if not is_finished(folder, e) or (folder / "eval" / f"step-{e['steps']}.json").is_file():
             continue
-        cmd = [sys.executable, str(REPO / "scripts" / "evaluate.py"), "--checkpoint", str(ckpt), "--device", "cpu"
+        cmd = [sys.executable, "-m", "outlier_titan.tools.evaluate", "--checkpoint", str(ckpt), "--device", "cpu"
                if scale != "gpu" else "auto", "--schemes", ",".join(info.schemes), "--tokens", str(a["tokens"]),
                "--batch-size", str(a["batch_size"]), "--calib-batches", str(a["calib_batches"]),
                "--calib-seeds", str(a["calib_seeds"])]

@@ -1,5 +1,5 @@
-"""Running sweep points through the trainer (``train.py``, or ``outlier_titan.launch`` (torchrun) for several
-ranks or nodes).
+"""Running sweep points through the trainer (``python -m outlier_titan.train``, or ``outlier_titan.launch``
+(torchrun) for several ranks or nodes).
 
 One code path for ``run --local`` (many points, ``--parallel K`` at a time) and a Slurm array task (one point):
 :func:`run_points`. Robustness rules:
@@ -41,7 +41,6 @@ from outlier_titan.exit_codes import STOPPED
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.study.plan import point_dir
 
-REPO = Path(__file__).resolve().parents[2]
 STATE = "sweep_state.json"
 LOG = "train.log"
 PR_SET_PDEATHSIG = 1
@@ -97,7 +96,7 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     zombie = stat.rsplit(")", 1)[-1].split()[0] == "Z"
-    return not zombie and (b"train.py" in cmdline)
+    return not zombie and (b"outlier_titan.train" in cmdline or b"train.py" in cmdline)
 
 
 def point_status(sweep_dir: Path, entry: dict[str, Any]) -> dict[str, Any]:
@@ -136,9 +135,10 @@ def _child_setup(parent: int) -> None:  # pragma: no cover - runs in the forked 
 
 def trainer_command(sweep_dir: Path, entry: dict[str, Any], nproc: int = 1, nnodes: int = 1,
                     rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> list[str]:
-    """``train.py`` on the point's config (torchrun for several ranks; c10d rendezvous for several nodes)."""
+    """``python -m outlier_titan.train`` on the point's config (torchrun for several ranks; c10d rendezvous for
+    several nodes)."""
     folder = point_dir(sweep_dir, entry["name"]).resolve()
-    args = [str(REPO / "train.py"), "--config", str(folder / "config.toml"),
+    args = ["-m", "outlier_titan.train", "--config", str(folder / "config.toml"),
             "--job.dump_folder", str(folder.parent.resolve()), "--job.name", entry["name"]]
     if nproc == 1 and nnodes == 1:
         return [sys.executable, *args]

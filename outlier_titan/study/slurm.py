@@ -1,7 +1,7 @@
 """``run --slurm``: an sbatch job-array script, one array task per unfinished point.
 
-Each task runs ``scripts/sweep.py task SWEEP_DIR --index $SLURM_ARRAY_TASK_ID`` (the same code path as
-``run --local``) on every node of its allocation; torchrun's c10d rendezvous is on the first node, as in
+Each task runs ``python -m outlier_titan.tools.sweep task SWEEP_DIR --index $SLURM_ARRAY_TASK_ID`` (the same
+code path as ``run --local``) on every node of its allocation; torchrun's c10d rendezvous is on the first node, as in
 ``scripts/multinode.slurm``. Preemption and time limits: ``--signal=B:USR1@<s>`` sends USR1 to the batch shell,
 which forwards it to the task (the sweep stops the trainer: checkpoint at the next step, exit), waits, and
 requeues this array task, which then resumes the point from its checkpoint.
@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from outlier_titan.study.runner import REPO
 
 DEFAULTS = {"nodes": 1, "gpus_per_node": 8, "cpus_per_task": 0, "time": "", "partition": "", "account": "",
             "signal_seconds": 120, "extra": []}
@@ -29,7 +28,7 @@ def slurm_script(sweep_dir: Path, indices: list[int], options: dict[str, Any], p
     sweep_dir = Path(sweep_dir).resolve()
     array = ",".join(map(str, indices)) + (f"%{parallel}" if parallel > 0 else "")
     lines = ["#!/usr/bin/env bash",
-             f"# Sweep {sweep_dir}: one array task per unfinished point (written by scripts/sweep.py run --slurm).",
+             f"# Sweep {sweep_dir}: one array task per unfinished point (written by sweep run --slurm).",
              f"#SBATCH --job-name=sweep-{sweep_dir.name}",
              f"#SBATCH --array={array}",
              f"#SBATCH --nodes={o['nodes']}",
@@ -47,7 +46,7 @@ def slurm_script(sweep_dir: Path, indices: list[int], options: dict[str, Any], p
               f"#SBATCH --output={sweep_dir}/slurm/%A_%a.out"]
     lines += [f"#SBATCH {x}" for x in o["extra"]]
     nproc = max(1, o["gpus_per_node"])
-    task = (f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'scripts' / 'sweep.py'))} task "
+    task = (f"{shlex.quote(sys.executable)} -m outlier_titan.tools.sweep task "
             f"{shlex.quote(str(sweep_dir))} --index \"$SLURM_ARRAY_TASK_ID\" --nproc {nproc}")
     lines += ["set -uo pipefail",
               "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}",

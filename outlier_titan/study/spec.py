@@ -36,6 +36,7 @@ from typing import Any
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, load_toml, parse_args, set_values, to_toml, validate
 from outlier_titan.errors import UserError
+from outlier_titan.packaged import resolve_config
 
 TOP_KEYS = ("base", "name", "seeds", "tokens_per_param", "budget_params", "fixed", "grid", "zip", "slurm")
 SLURM_KEYS = {"nodes": int, "gpus_per_node": int, "cpus_per_task": int, "time": str, "partition": str,
@@ -149,10 +150,11 @@ def _default_template(axes: list[str]) -> str:
 
 def load_sweep(path: str | Path) -> Sweep:
     """Reads, expands and validates a sweep file; raises :class:`SweepError`/``ConfigError`` with one line."""
-    path = Path(path)
-    if not path.is_file():
-        raise SweepError(f"sweep file not found: {path} (pass an existing TOML file, e.g. "
+    found = resolve_config(path)  # a file, else a packaged sweep file by name (sweeps/debug_scaling)
+    if found is None:
+        raise SweepError(f"sweep file not found: {path} (pass an existing TOML file or a packaged name, e.g. "
                          f"train_configs/sweeps/debug_scaling.toml)")
+    path = found
     try:
         raw = load_toml(path)
     except ConfigError as e:

@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""Reproduce a paper's phenomena: run its suite (a sweep), evaluate every final checkpoint, write the report.
+
+    outlier-titan-reproduce --suite {kaul2024|he2024|franke2025} --scale {smoke|cpu|gpu} [--out DIR]
+    outlier-titan-reproduce --suite kaul2024 --scale search --parallel 2  # the cpu scale's calibration search
+    outlier-titan-reproduce --suite kaul2024 --scale synthetic --parallel 2  # on the Bigram-Backcopy task
+    outlier-titan-reproduce --suite kaul2024 --scale cpu --slurm [--slurm-args "--partition gpu ..."]
+    outlier-titan-reproduce --suite kaul2024 --scale cpu --report-only    # after the Slurm array finished
+    outlier-titan-reproduce --suite he2024 --scale gpu --dry-run          # the papers' runs on 1 and 8 GPUs
+
+The suites are sweep files under ``train_configs/suites/<suite>/<scale>.toml``; the run folders go to
+``--sweep-dir`` (default ``outputs/reproduce/<suite>-<scale>``), the report (``report.md``, ``figures/``,
+``results.csv``, ``runs/<point>/`` logs) to ``--out`` (default ``reports/<suite>-<scale>``). Running again skips
+finished points and evaluations. See ``outlier_titan/study/reproduce.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from outlier_titan import cli
+from outlier_titan.errors import UserError
+from outlier_titan.study.reproduce import SCALES, SUITES
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", required=True, choices=SUITES)
+    p.add_argument("--scale", required=True, choices=SCALES)
+    p.add_argument("--out", default=None, help="report folder (default reports/<suite>-<scale>)")
+    p.add_argument("--sweep-dir", default=None, help="run folders (default outputs/reproduce/<suite>-<scale>)")
+    p.add_argument("--parallel", type=int, default=1, help="local: points at a time")
+    p.add_argument("--slurm", action="store_true", help="submit the unfinished points as a Slurm job array")
+    p.add_argument("--slurm-args", default="",
+                   help="extra flags of 'sweep.py run --slurm', one quoted string, e.g. --slurm-args=\"--print-only\"")
+    p.add_argument("--force", action="store_true",
+                   help="re-plan a sweep folder planned from an older suite file (changed points move to replaced/)")
+    p.add_argument("--report-only", action="store_true", help="do not train; evaluate, collect and report")
+    p.add_argument("--dry-run", action="store_true",
+                   help="plan only: the points (gpu scale: per-GPU memory and time on 1 and 8 GPUs)")
+    p.add_argument("--tokenizer", default=None, help="gpu --dry-run: plan with this data.tokenizer (offline)")
+    p.add_argument("--mfu", type=float, default=0.4, help="gpu --dry-run: assumed model FLOPs utilisation")
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="gpu --dry-run: bf16 dense peak per GPU (989: H100/H200 SXM)")
+    p.add_argument("--gpu-gib", type=float, default=80.0, help="gpu --dry-run: memory per GPU")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    return cli.report_user_errors(run, args)
+
+
+def run(args: argparse.Namespace) -> int:
+    from outlier_titan.study.plan import plan_table, read_manifest, write_plan
+    from outlier_titan.study.reproduce import build_report, gpu_dry_run, suite_file
+    from outlier_titan.study.spec import load_sweep
+
+    if args.parallel < 1:
+        raise UserError(f"--parallel must be at least 1, got {args.parallel}")
+    if not 0 < args.mfu <= 1:
+        raise UserError(f"--mfu must be in (0, 1], got {args.mfu}")
+    tag = f"{args.suite}-{args.scale}"
+    path = suite_file(args.suite, args.scale)
+    if args.dry_run:
+        if args.scale == "gpu":
+            print(gpu_dry_run(args.suite, args.tokenizer, args.mfu, args.peak_tflops, args.gpu_gib))
+        else:
+            from outlier_titan.study.plan import build_manifest
+
+            print(plan_table(build_manifest(load_sweep(path), Path("/nonexistent"))))
+        return 0
+    if args.tokenizer:
+        raise UserError("--tokenizer applies to --scale gpu --dry-run only")
+    sweep_dir = Path(args.sweep_dir or Path("outputs") / "reproduce" / tag)
+    out = Path(args.out or Path("reports") / tag)
+    if not args.report_only:
+        manifest, _ = write_plan(load_sweep(path), sweep_dir, force=args.force)
+        print(plan_table(manifest), file=sys.stderr)
+        if args.slurm:
+            cmd = [sys.executable, "-m", "outlier_titan.tools.sweep", "run", str(sweep_dir), "--slurm",
+                   *shlex.split(args.slurm_args)]
+            rc = subprocess.call(cmd)
+            print(f"when the array has finished: outlier-titan-reproduce --suite {args.suite} --scale "
+                  f"{args.scale} --sweep-dir {sweep_dir} --out {out} --report-only", file=sys.stderr)
+            return rc
+        from outlier_titan.study.runner import run_points
+
+        result = run_points(sweep_dir, manifest, parallel=args.parallel)
+        n_done = list(result.values()).count("done")
+        print(f"sweep {sweep_dir}: {n_done} of {len(result)} points done", file=sys.stderr)
+    else:
+        read_manifest(sweep_dir)
+    report = build_report(args.suite, args.scale, sweep_dir, out)
+    print(report.read_text())
+    print(f"wrote {report}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
