@@ -21,8 +21,11 @@ _CODE_SPAN = re.compile(r"`[^`\n]*`")
 # Files that other branches add; links to them are allowed until those branches are merged.
 PENDING = {"docs/installing.md", "outlier_titan/optim/README.md"}
 
-FORBIDDEN = ("../shared", "DESIGN.md", "seed 000", "seed 001", "seed 002", "seed_orthoadam", "seed_angpt",
-             "seed_op_soap", "cpu_scale_phenomena", "shared/reference")
+# Files outside the repository (the project's private notes) and the papers' old file numbers ("seed 000" named
+# Kaul et al. 2024 and also reads like an RNG seed); papers are cited by first author, year and arXiv id.
+FORBIDDEN = ("../shared", "shared/reference", "DESIGN.md", "seed_orthoadam", "seed_angpt", "seed_op_soap",
+             "cpu_scale_phenomena", "anchor_optimizers.md", "anchor_models.md", "anchor_torchtitan.md",
+             "two_node_slurm.md", "seed 000", "seed 001", "seed 002", "Seed 000", "Seed 001", "Seed 002")
 
 
 def _markdown_files() -> list[Path]:
