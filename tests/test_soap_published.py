@@ -65,12 +65,13 @@ def _train(model, opt, batches):
     return losses
 
 
-@pytest.mark.parametrize("f, rtol", [(100, 1e-10), (4, 1e-3)])
+@pytest.mark.parametrize("f, rtol", [(100, 1e-10), (10, 1e-6)])
 def test_whole_axis_soap_trains_a_small_model_like_the_published_one(f, rtol):
     """f = 100: no refresh in 30 steps, so everything but the QR (whole-axis factors of every 2-D parameter, the
     vocabulary included; Adam on 1-D parameters; the first call that only initialises; bias correction; weight
-    decay per group) must agree to float64 rounding. f = 4: the port's float32 QR moves the bases of the factors'
-    (near-)null spaces, which Adam's normalisation amplifies; the losses stay within 1e-3."""
+    decay per group) must agree to float64 rounding. f = 10 (the published refresh): the port's float32 QR moves
+    the bases of the factors' (near-)null spaces, which Adam's normalisation amplifies (8.5e-9 measured; 8.0e-4
+    with a refresh every 4 steps); the losses stay within 1e-6."""
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(30):
