@@ -13,51 +13,21 @@ import torch.nn as nn
 
 from outlier_titan.config.job_config import Optimizer as OptimizerConfig
 from outlier_titan.errors import UserError
+from outlier_titan.optim.params import trainable_params
 from outlier_titan.optim.tile_optimizers import build_orthoadam, build_soap
-
-NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
-
-
-def param_class(module: nn.Module, param_name: str, param: torch.Tensor) -> str:
-    """One of: embedding, norm, bias, gain, matrix, or the module's own ``param_class`` (``sink``: attention
-    sink logits)."""
-    own = getattr(module, "param_class", None)
-    if isinstance(own, str):
-        return own
-    if isinstance(module, nn.Embedding):
-        return "embedding"
-    if isinstance(module, NORM_TYPES) or getattr(module, "is_norm", False):
-        return "norm"
-    if param_name == "bias":
-        return "bias"
-    if param.ndim < 2:
-        return "gain"
-    return "matrix"
-
 
 def build_param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     """Two groups, decay and no_decay, each with ``params`` and ``names`` (FQNs)."""
     decay, no_decay = {"params": [], "names": []}, {"params": [], "names": []}
-    seen: set[int] = set()
-    for mod_name, module in model.named_modules():
-        for p_name, p in module.named_parameters(recurse=False):
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            fqn = f"{mod_name}.{p_name}" if mod_name else p_name
-            group = no_decay if param_class(module, p_name, p) in cfg.no_decay else decay
-            group["params"].append(p)
-            group["names"].append(_clean_fqn(fqn))
+    for fqn, cls, p in trainable_params(model):
+        group = no_decay if cls in cfg.no_decay else decay
+        group["params"].append(p)
+        group["names"].append(fqn)
     decay["weight_decay"] = cfg.weight_decay
     no_decay["weight_decay"] = 0.0
     return [g for g in (decay, no_decay) if g["params"]]
 
 
-def _clean_fqn(fqn: str) -> str:
-    """Drops wrapper prefixes (activation checkpointing, compile) so FQNs match the plain model's."""
-    for prefix in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        fqn = fqn.replace(prefix, "")
-    return fqn
 
 
 OptimizerFactory = Callable[[list[dict], OptimizerConfig, int], torch.optim.Optimizer]

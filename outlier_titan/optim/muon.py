@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from outlier_titan.errors import UserError
+from outlier_titan.optim.params import clean_fqn, trainable_params
 from outlier_titan.optim.tile_optimizers import engine_options
 from outlier_titan.optim.tiles.kernels import from_tiles, to_tiles
 from outlier_titan.optim.tiles.options import EngineOptions
@@ -113,8 +114,6 @@ def is_muon_matrix(fqn: str, cls: str, p: torch.Tensor) -> bool:
 
 def head_dims(model: nn.Module) -> dict[str, int]:
     """FQN -> head dim of every wq / wk / wv weight (modules with a ``head_dim`` attribute)."""
-    from outlier_titan.optim.builder import _clean_fqn
-
     out = {}
     for name, module in model.named_modules():
         hd = getattr(module, "head_dim", None)
@@ -123,7 +122,7 @@ def head_dims(model: nn.Module) -> dict[str, int]:
         for w in HEAD_WEIGHTS:
             lin = getattr(module, w, None)
             if isinstance(lin, nn.Module) and isinstance(getattr(lin, "weight", None), torch.Tensor):
-                out[_clean_fqn(f"{name}.{w}.weight" if name else f"{w}.weight")] = hd
+                out[clean_fqn(f"{name}.{w}.weight" if name else f"{w}.weight")] = hd
     return out
 
 
@@ -142,7 +141,6 @@ def split_summary(groups: list[dict]) -> str:
 def muon_param_groups(model: nn.Module, cfg) -> list[dict]:
     """[Muon group, AdamW decay group, AdamW no-decay group] (empty ones dropped), each with ``names`` and
     ``algorithm``; classes as ``build_param_groups`` sees them, so the split is the same at any world size."""
-    from outlier_titan.optim.builder import _clean_fqn, param_class
 
     muon = {"params": [], "names": [], "algorithm": "muon", "lr": cfg.lr, "weight_decay": cfg.weight_decay,
             "momentum": cfg.muon_momentum, "nesterov": cfg.muon_nesterov,
@@ -152,17 +150,10 @@ def muon_param_groups(model: nn.Module, cfg) -> list[dict]:
              "eps": cfg.eps}
     decay = {"params": [], "names": [], **adamw, "weight_decay": cfg.muon_adamw_weight_decay}
     no_decay = {"params": [], "names": [], **adamw, "weight_decay": 0.0}
-    seen: set[int] = set()
-    for mod_name, module in model.named_modules():
-        for p_name, p in module.named_parameters(recurse=False):
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            fqn = _clean_fqn(f"{mod_name}.{p_name}" if mod_name else p_name)
-            cls = param_class(module, p_name, p)
-            group = muon if is_muon_matrix(fqn, cls, p) else no_decay if cls in cfg.no_decay else decay
-            group["params"].append(p)
-            group["names"].append(fqn)
+    for fqn, cls, p in trainable_params(model):
+        group = muon if is_muon_matrix(fqn, cls, p) else no_decay if cls in cfg.no_decay else decay
+        group["params"].append(p)
+        group["names"].append(fqn)
     return [g for g in (muon, decay, no_decay) if g["params"]]
 
 
