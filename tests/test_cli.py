@@ -39,7 +39,7 @@ def test_dry_run_prints_the_tokenizer_and_warns_on_a_mismatched_one():
 def test_large_configs_name_a_real_tokenizer():
     import tomllib
 
-    from outlier_titan.data.tokenizer import tokenizer_mismatch
+    from outlier_titan.data.sources import tokenizer_mismatch
 
     for path in sorted((REPO / "train_configs").glob("*.toml")):
         data = tomllib.loads(path.read_text()).get("data", {})

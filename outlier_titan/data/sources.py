@@ -56,6 +56,16 @@ HF_DATASETS = {
 }
 
 
+def tokenizer_mismatch(source: str, spec: str) -> str | None:
+    """A one-line warning when the embedded BPE (4,096 tokens of Python source) is paired with a web-text
+    source; None otherwise."""
+    if spec != "embedded" or source not in HF_DATASETS:
+        return None
+    return (f"data.tokenizer 'embedded' is a 4,096-token BPE trained on Python source, a poor fit for "
+            f"data.source '{source}' (English web text); set data.tokenizer to 'tiktoken:gpt2', "
+            f"'tiktoken:cl100k_base' or the path of a Llama-3 tokenizer.model")
+
+
 def stable_fraction(key: str) -> float:
     """A number in [0, 1) from a hash of ``key``: the same in every process, Python version and machine."""
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") / 2.0**64

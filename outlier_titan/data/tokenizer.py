@@ -164,18 +164,6 @@ def planning_vocab(spec: str) -> tuple[int, str]:
         return NAMED_VOCAB_SIZES[name], f"{name}, not cached here: its published vocabulary"
 
 
-def tokenizer_mismatch(source: str, spec: str) -> str | None:
-    """A one-line warning when the embedded BPE (4,096 tokens of Python source) is paired with a web-text
-    source; None otherwise."""
-    from outlier_titan.data.sources import HF_DATASETS
-
-    if spec != "embedded" or source not in HF_DATASETS:
-        return None
-    return (f"data.tokenizer 'embedded' is a 4,096-token BPE trained on Python source, a poor fit for "
-            f"data.source '{source}' (English web text); set data.tokenizer to 'tiktoken:gpt2', "
-            f"'tiktoken:cl100k_base' or the path of a Llama-3 tokenizer.model")
-
-
 def build_tokenizer(spec: str) -> Tokenizer:
     """``"embedded"``, a BPE rank file path, or ``"tiktoken:<name>"`` (see the module docstring)."""
     if spec == "embedded":
