@@ -1,4 +1,4 @@
-"""Set-up order and the step loop (DESIGN.md §3).
+"""Set-up order and the step loop.
 
 mesh -> tokenizer -> data -> run folder (lock, writability, which checkpoint, config compatibility) -> meta model
 -> parallelize (TP -> AC -> compile -> FSDP2) -> materialise + init -> optimizer -> LR schedule -> checkpoint

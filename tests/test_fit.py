@@ -1,4 +1,4 @@
-"""Scaling-law fitter: recovery of known laws, interval coverage, seed 001's Table I.1, the CLI end to end."""
+"""Scaling-law fitter: recovery of known laws, interval coverage, Franke et al. 2025's Table I.1, the CLI end to end."""
 
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ def test_frontier_bins_and_default_count():
 
 
 def test_seed001_table_i1_compute_optimal_and_z_test():
-    """Table I.1 of seed 001 gives the published N_opt, D_opt (reference §9, to their printed digits), and the
+    """Table I.1 of Franke et al. 2025 gives the published N_opt, D_opt (to their printed digits), and the
     z-test on the published variances gives p = 0.073 at the exponent difference the paper implies."""
     table = {"GPT+": (13.408079, 0.466271, 0.336617, 0.465600), "anGPT": (9.727337, 0.473190, 0.650506, 0.451378)}
     published = {("GPT+", 1e18): (8.1e7, 3.3e9), ("anGPT", 1e18): (8.7e7, 3.2e9),

@@ -59,7 +59,7 @@ def test_every_spec_has_a_small_debug_flavor_and_builds_every_flavor_on_meta(nam
         assert isinstance(model.layers, nn.ModuleDict)
 
 
-# Table F.1 of seed 001 (vocab 50,304): anGPT, nGPT and GPT+ columns.
+# Table F.1 of Franke et al. 2025 (vocab 50,304): anGPT, nGPT and GPT+ columns.
 TABLE_F1 = {
     "32m": (32.10e6, 32.11e6, 32.05e6), "62m": (62.28e6, 62.33e6, 62.24e6), "125m": (127.08e6, 127.16e6, 127.03e6),
     "250m": (247.21e6, 247.34e6, 247.17e6), "0.5b": (505.78e6, 506.00e6, 505.73e6), "1b": (1.073e9, 1.073e9, 1.073e9),
@@ -69,7 +69,7 @@ TABLE_F1 = {
 @pytest.mark.parametrize("size", list(TABLE_F1))
 def test_seed001_parameter_counts_match_table_f1(size):
     an, ng, gp = TABLE_F1[size]
-    assert meta_count("angpt", size, 50304) == pytest.approx(an, rel=1e-3)  # the issue asks 1%; it is 0.1%
+    assert meta_count("angpt", size, 50304) == pytest.approx(an, rel=1e-3)  # 1% asked; it is 0.1%
     assert meta_count("ngpt", size, 50304) == pytest.approx(ng, rel=1e-3)
     assert meta_count("pre_ln", f"gptplus_{size}", 50304) == pytest.approx(gp, rel=1e-3)
 

@@ -1,6 +1,6 @@
 """SOAP on the tile engine against a plain dense float64 implementation of the published algorithm.
 
-The reference below is written from the paper / reference study (anchor_optimizers.md §1.4-1.8), in numpy,
+The reference below is written from the paper (Vyas et al. 2024, arXiv 2409.11321, Algorithm 1), in numpy,
 with the paper's form of the first moment (an EMA of the raw gradient in the original basis, projected
 every step), which is mathematically equal to the official code's rotated-basis momentum.
 """

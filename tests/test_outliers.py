@@ -17,7 +17,7 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-# ---------------------------------------------------------------------------------------------- seed 000 Eq. 2
+# ---------------------------------------------------------------------------------------------- Kaul et al. 2024 Eq. 2
 
 
 def test_gaussian_token_kurtosis_is_three():
@@ -43,7 +43,7 @@ def test_token_kurtosis_planted_outlier_exact_closed_form():
 
 @pytest.mark.parametrize("d,alpha", [(4096, 1000.0), (1024, 100.0)])
 def test_token_kurtosis_planted_outlier_gaussian_closed_form(d, alpha):
-    # seed 000 §2.7: x = alpha e_i + z, z ~ N(0, I)  ->  Kurt ~ D (alpha^4 + 3 D) / (alpha^2 + D)^2
+    # Kaul et al. 2024 §2.7: x = alpha e_i + z, z ~ N(0, I)  ->  Kurt ~ D (alpha^4 + 3 D) / (alpha^2 + D)^2
     z = torch.randn(16, d, generator=gen(1), dtype=F64)
     z[:, 7] += alpha
     k = float(om.token_kurtosis(z).mean())
@@ -56,7 +56,7 @@ def test_token_kurtosis_scale_and_shift_invariant():
     assert torch.allclose(om.token_kurtosis(5.0 * x + 3.0), om.token_kurtosis(x), rtol=1e-10)
 
 
-# ---------------------------------------------------------------------------------------------- seed 002 Eq. 1
+# ---------------------------------------------------------------------------------------------- He et al. 2024 Eq. 1
 
 
 def test_gaussian_neuron_rms_kurtosis_is_one():
@@ -88,7 +88,7 @@ def test_neuron_rms_kurtosis_one_dominant_neuron_tends_to_d():
 
 
 def test_neuron_rms_kurtosis_uniform_correlation_prop_g1():
-    # seed 002 Prop. G.1: columns N(0, (1 - rho) I + rho 11^T) over tokens -> Kurt ~ 1 + 2 rho^2
+    # He et al. 2024 Prop. G.1: columns N(0, (1 - rho) I + rho 11^T) over tokens -> Kurt ~ 1 + 2 rho^2
     n, d, rho = 1024, 4096, 0.3
     g = gen(7)
     z = torch.randn(1, d, generator=g, dtype=F64)

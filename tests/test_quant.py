@@ -71,7 +71,7 @@ def test_zeropoint_has_16_levels():
     assert len(torch.unique(qz.zeropoint_quantize(x, 4))) == 16
 
 
-# ---------------------------------------------------------------------------------------------- seed 002 W8A8
+# ---------------------------------------------------------------------------------------------- He et al. 2024 W8A8
 
 
 def test_mse_clip_tiny_vector_by_hand():

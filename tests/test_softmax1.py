@@ -1,4 +1,4 @@
-"""softmax-1 (seed 000): the fused SDPA path is exact, checked in float64 against the plain formula
+"""softmax-1 (Kaul et al. 2024): the fused SDPA path is exact, checked in float64 against the plain formula
 exp(s_i) / (1 + sum_j exp(s_j)) over each query's causal prefix, written out here independently."""
 
 import math

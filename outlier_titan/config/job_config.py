@@ -31,8 +31,8 @@ class Job:
 class Model:
     name: str = opt("pre_ln", "Model spec (see the registry: pre_ln, op, angpt, ngpt).")
     flavor: str = opt("debug", "Named size of the spec (e.g. debug, gpt2_124m, llama_1b).")
-    norm: str | None = opt(None, "pre_ln: norm type (rmsnorm_single: one scalar gain, seed 000's RMSNormSingle; "
-                                 "rmsnorm_nogain: no gain).",
+    norm: str | None = opt(None, "pre_ln: norm type (rmsnorm_single: one scalar gain, Kaul et al. 2024's "
+                                 "RMSNormSingle; rmsnorm_nogain: no gain).",
                            ("layernorm", "rmsnorm", "rmsnorm_single", "rmsnorm_nogain"))
     softmax: str | None = opt(None, "Old spelling of model.attention (softmax or softmax1 only).",
                               ("softmax", "softmax1"))
@@ -71,7 +71,7 @@ class Model:
     vocab_size: int | None = opt(None, "Vocabulary size; default: the tokenizer's, padded to a multiple of 64.")
     max_seq_len: int | None = opt(None, "Longest sequence for learned positions / RoPE; default training.seq_len.")
     rope_fraction: float | None = opt(None, "Share of each head's dims rotated by RoPE (GPT+/anGPT: 0.5).")
-    block: str | None = opt(None, "op: block variant: the Outlier Protected block or a baseline of seed 002.",
+    block: str | None = opt(None, "op: block variant: the Outlier Protected block or a baseline of He et al. 2024.",
                             ("op", "pre_ln", "pre_rms", "pre_srms", "post_ln"))
     final_norm: bool | None = opt(None, "op: a final norm before the head (OP: none).")
     residual_scale: float | None = opt(None, "op: beta, the residual-branch scale (its init when trainable).")
@@ -270,7 +270,7 @@ class Observe:
                              "layout probes the same sequences.")
     mode: str = opt("full", "cheap: residual-stream metrics only; full: also attention and pictures.",
                     ("cheap", "full"))
-    kurtosis_centered: bool = opt(False, "Also log seed 002 authors' centred neuron-RMS kurtosis (~ Kurt - 1).")
+    kurtosis_centered: bool = opt(False, "Also log He et al.'s centred neuron-RMS kurtosis (~ Kurt - 1).")
     map_tokens: int = opt(64, "Attention-map picture: the first N query/key positions.")
 
 

@@ -29,7 +29,7 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
 
     ``calib_batches(seed)`` gives the calibration token batches of static and GPTQ schemes; each such scheme, and
     each rotated scheme (its random signs), is run once per seed in ``calib_seeds`` and reported as mean ± std
-    (seed 002's protocol uses 3 seeds).
+    (He et al. 2024's protocol uses 3 seeds).
     """
     unknown = [s for s in schemes if s not in SCHEMES]
     if unknown:

@@ -1,5 +1,5 @@
-"""anGPT, the approximately normalised GPT (Franke et al. 2025, seed 001), following the spec's best reading
-(``seed_angpt.md``); the authors' code (automl/anGPT) was not available.
+"""anGPT, the approximately normalised GPT (Franke et al. 2025, arXiv 2505.22014), following our reading of
+the paper (docs/papers/franke2025.md); the authors' code (automl/anGPT) was not available.
 
     h = W_e[tokens]                                         # rows of W_e in the unit ball (unit at init)
     for each block (no pre-norms):

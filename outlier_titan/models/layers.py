@@ -21,7 +21,7 @@ from outlier_titan.models.attention import (GATED, AttentionOptions, SinkLogit, 
 
 class RMSNorm(nn.Module):
     """RMSNorm with a per-channel gain (``gain="vector"``), one shared scalar gain (``"scalar"``:
-    seed 000's RMSNormSingle) or no gain (``"none"``: OP's Pre-SRMS)."""
+    Kaul et al. 2024's RMSNormSingle) or no gain (``"none"``: OP's Pre-SRMS)."""
 
     is_norm = True
 

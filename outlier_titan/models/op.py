@@ -1,4 +1,4 @@
-"""The Outlier Protected (OP) block of seed 002 (He et al., "Understanding and Minimising Outlier Features in
+"""The Outlier Protected (OP) block of He et al. 2024 (He et al., "Understanding and Minimising Outlier Features in
 Transformer Training"), and the paper's baseline blocks as options of the same spec.
 
 ``block = "op"`` (default)::

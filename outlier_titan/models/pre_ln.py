@@ -1,19 +1,19 @@
 """Pre-LN transformer: GPT-2 style (LayerNorm, learned positions, GELU, biases, tied embeddings) and Llama style
-(RMSNorm, RoPE, SwiGLU, no bias, GQA), chosen by options; plus seed 000's softmax-1 and single-scale RMSNorm
+(RMSNorm, RoPE, SwiGLU, no bias, GQA), chosen by options; plus Kaul et al. 2024's softmax-1 and single-scale RMSNorm
 and anGPT's GPT+ (QK-norm).
 
     x = embed(tokens) [+ pos]
     for each block:  x = x + attn(norm1(x));  x = x + mlp(norm2(x))
     logits = head(norm_f(x))
 
-Options (``model.*``): ``norm`` (layernorm | rmsnorm | rmsnorm_single = seed 000's RMSNormSingle, one scalar
+Options (``model.*``): ``norm`` (layernorm | rmsnorm | rmsnorm_single = Kaul et al. 2024's RMSNormSingle, one scalar
 gain | rmsnorm_nogain), ``attention`` (softmax | softmax1, exact | the sink remedies of
 :mod:`outlier_titan.models.attention`, with its ``attention_*`` options; ``softmax`` is its old spelling),
 ``pos_encoding`` (learned | rope | none),
 ``rope_fraction`` (share of each head's dims that RoPE rotates; GPT+ uses 0.5), ``bias``, ``qk_norm``,
 ``mlp``, ``tie_embeddings``.
 
-Seed 000 flavors (``seed000_*``; the paper gives sizes only, no shapes): RMSNormSingle at every norm site
+Kaul et al. 2024 flavors (``seed000_*``; the paper gives sizes only, no shapes): RMSNormSingle at every norm site
 (pre-attention, pre-MLP, final), no biases in any linear layer, learned absolute positions, GELU, tied
 embeddings for the GPT-2 family; parameter counts at the GPT-2 BPE vocabulary (50,304 padded) and 1024
 positions:
@@ -27,7 +27,7 @@ positions:
                          ``llama_130m`` shape whose warm-up schedule the paper copies; 134M at Llama-2's
                          32,000 vocabulary, 162M at 50,304.
 
-GPT+ flavors (``gptplus_*``, seed 001's baseline, Table F.1 shapes): SwiGLU with 4*d hidden units per branch,
+GPT+ flavors (``gptplus_*``, Franke et al. 2025's baseline, Table F.1 shapes): SwiGLU with 4*d hidden units per branch,
 RoPE on half of each head (``rope_fraction`` 0.5), RMSNorm, per-head QK-RMSNorm with a learned gain of
 size d_h, no bias, untied head. The paper's L2 QK-norm with a learned temperature g is realised as
 QK-RMSNorm with scale 1/sqrt(d_h): the logits are sqrt(d_h) * g_q g_k * cos(q, k), so the effective
@@ -187,10 +187,10 @@ GPT2 = dict(norm="layernorm", pos_encoding="learned", bias=True, mlp="gelu", tie
 LLAMA = dict(norm="rmsnorm", pos_encoding="rope", bias=False, mlp="swiglu", tie_embeddings=False,
              norm_eps=1e-5, rope_theta=500000.0)
 
-# Seed 000 (softmax-1 / OrthoAdam): RMSNormSingle everywhere and no biases; softmax is the per-run switch.
+# Kaul et al. 2024 (softmax-1 / OrthoAdam): RMSNormSingle everywhere and no biases; softmax is the per-run switch.
 SEED000_GPT2 = dict(GPT2, norm="rmsnorm_single", bias=False, norm_eps=1e-5)
 SEED000_LLAMA2 = dict(LLAMA, norm="rmsnorm_single", bias=False, norm_eps=1e-6, rope_theta=10000.0)
-# Seed 001's GPT+ baseline (Table F.1 / F.2).
+# Franke et al. 2025's GPT+ baseline (Table F.1 / F.2).
 GPTPLUS = dict(norm="rmsnorm", pos_encoding="rope", rope_fraction=0.5, bias=False, mlp="swiglu",
                tie_embeddings=False, qk_norm=True, norm_eps=1e-6, rope_theta=10000.0, vocab_size=50304)
 
@@ -208,13 +208,13 @@ FLAVORS = {
     "llama_3b": dict(LLAMA, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_hidden=8192),
     # Llama 2 7B shape (multi-head attention, SwiGLU 11008)
     "llama_7b": dict(LLAMA, dim=4096, n_layers=32, n_heads=32, ffn_hidden=11008),
-    # Seed 000 (dims chosen here, see the module docstring)
+    # Kaul et al. 2024 (dims chosen here, see the module docstring)
     "seed000_gpt2_60m": dict(SEED000_GPT2, dim=512, n_layers=11, n_heads=8),
     "seed000_gpt2_130m": dict(SEED000_GPT2, dim=768, n_layers=12, n_heads=12),
     "seed000_gpt2_350m": dict(SEED000_GPT2, dim=1024, n_layers=24, n_heads=16),
     "seed000_gpt2_1.4b": dict(SEED000_GPT2, dim=1536, n_layers=48, n_heads=24),
     "seed000_llama2_130m": dict(SEED000_LLAMA2, dim=768, n_layers=12, n_heads=12, ffn_hidden=2048),
-    # Seed 001 GPT+ (Table F.1: d_h = 64, SwiGLU 4*d per branch, vocab 50,304)
+    # Franke et al. 2025 GPT+ (Table F.1: d_h = 64, SwiGLU 4*d per branch, vocab 50,304)
     "gptplus_32m": dict(GPTPLUS, dim=256, n_layers=6, n_heads=4, ffn_hidden=1024),
     "gptplus_62m": dict(GPTPLUS, dim=384, n_layers=10, n_heads=6, ffn_hidden=1536),
     "gptplus_125m": dict(GPTPLUS, dim=512, n_layers=18, n_heads=8, ffn_hidden=2048),

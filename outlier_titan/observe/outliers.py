@@ -4,27 +4,28 @@ Notation: a hidden state ``x`` is ``[..., D]`` (D = residual width, the "channel
 stream of one layer is ``[B, T, D]``; attention probabilities are ``[B, H, T, T]`` (query i, key j, causal;
 softmax-1 rows sum to < 1 because its sink is not a key).
 
-Definitions (see ``shared/reference``):
+Definitions (the papers' equations; docs/observatory.md):
 
-* seed 000 Eq. 2, **per-token kurtosis**: Pearson (non-excess) kurtosis over the D channels of one token,
+* Kaul et al. 2024 (arXiv 2410.17174) Eq. 2, **per-token kurtosis**: Pearson (non-excess) kurtosis over the D
+  channels of one token,
   population moments, centred: ``E_d[(x - mu)^4] / E_d[(x - mu)^2]^2``. Gaussian ~ 3. Reported separately
   for the first token and as the mean over the other tokens.
-* seed 002 Eq. 1, **kurtosis of neuron RMS**: ``s_j^2 = mean_tokens x_j^2`` (all tokens pooled), then
+* He et al. 2024 Eq. 1, **kurtosis of neuron RMS**: ``s_j^2 = mean_tokens x_j^2`` (all tokens pooled), then
   ``mean_j s_j^4 / (mean_j s_j^2)^2``: uncentred, raw moments. Equal RMS per neuron gives 1, one dominant
   neuron gives D. The authors' code logs a centred variant instead (each token centred over width, then the
   unbiased variance over j of s_j^2 / mean s^2, i.e. ~ Kurt - 1); :func:`neuron_rms_kurtosis_centred`.
-* seed 002 Eq. 2, **max-median ratio**: per token ``max_d |x_d| / median_d |x_d|``, mean over tokens.
+* He et al. 2024 Eq. 2, **max-median ratio**: per token ``max_d |x_d| / median_d |x_d|``, mean over tokens.
 * **signal propagation**: mean pairwise cosine similarity of the token vectors (all tokens of the batch
-  pooled, pairs alpha != beta); seed 002's own plotted quantity, the mean off-diagonal of ``X~ X~^T / d``
+  pooled, pairs alpha != beta); He et al. 2024's own plotted quantity, the mean off-diagonal of ``X~ X~^T / d``
   with ``X~ = X / rms(X)``, is :func:`signal_prop_corr`.
-* seed 000 §3.4 **max |activation|**: first token ``max_d |x_{1,d}|``; the rest ``max_{l>1,d} |x_{l,d}|``
+* Kaul et al. 2024 §3.4 **max |activation|**: first token ``max_d |x_{1,d}|``; the rest ``max_{l>1,d} |x_{l,d}|``
   per sample; both averaged over samples.
-* seed 000 §3.5/3.6 **first-token attention**: the share of (query, head) pairs whose most-attended key is
+* Kaul et al. 2024 §3.5/3.6 **first-token attention**: the share of (query, head) pairs whose most-attended key is
   key 0 (ties: lowest index; the sink is not a candidate) and the mean probability on key 0.
 * **attention sink mass** (softmax-1 only): the mean probability kept by softmax-1's implicit sink,
   ``1 - sum_j A_ij`` = ``1 / (1 + sum_j exp(s_ij))``, i.e. how much a query "attends to nothing". Under plain
   softmax the rows sum to 1, so it is zero by construction (what is left is float rounding noise) and it is
-  not reported; under both, seed 000 §3.6's first-key mass is the comparable quantity.
+  not reported; under both, Kaul et al. 2024 §3.6's first-key mass is the comparable quantity.
 
 The attention-sink metrics of the field (see docs/attention.md; "weights" are the weights that multiply the
 values, unnormalised for sigmoid / ReLU / softpick attention):
@@ -60,7 +61,7 @@ F64 = torch.float64
 
 
 def token_kurtosis(x: torch.Tensor) -> torch.Tensor:
-    """Seed 000 Eq. 2: Pearson kurtosis over the last dim, one value per token (float64)."""
+    """Kaul et al. 2024 Eq. 2: Pearson kurtosis over the last dim, one value per token (float64)."""
     x = x.to(F64)
     c = x - x.mean(-1, keepdim=True)
     c2 = c.square()
@@ -70,13 +71,13 @@ def token_kurtosis(x: torch.Tensor) -> torch.Tensor:
 
 
 def neuron_rms_kurtosis_from_sq(s2: torch.Tensor) -> torch.Tensor:
-    """Seed 002 Eq. 1 from the per-neuron mean squares ``s_j^2`` (shape [D]): ``mean s^4 / (mean s^2)^2``."""
+    """He et al. 2024 Eq. 1 from the per-neuron mean squares ``s_j^2`` (shape [D]): ``mean s^4 / (mean s^2)^2``."""
     s2 = s2.to(F64)
     return s2.square().mean(-1) / s2.mean(-1).square().clamp_min(torch.finfo(F64).tiny)
 
 
 def neuron_rms_kurtosis(x: torch.Tensor) -> torch.Tensor:
-    """Seed 002 Eq. 1 of an activation matrix: all leading dims are tokens, the last dim is the neurons."""
+    """He et al. 2024 Eq. 1 of an activation matrix: all leading dims are tokens, the last dim is the neurons."""
     x = x.to(F64).reshape(-1, x.shape[-1])
     return neuron_rms_kurtosis_from_sq(x.square().mean(0))
 
@@ -99,14 +100,14 @@ def neuron_rms_kurtosis_centred(x: torch.Tensor) -> torch.Tensor:
 
 
 def max_median_ratio(x: torch.Tensor) -> torch.Tensor:
-    """Seed 002 Eq. 2 per token: ``max_d |x| / median_d |x|`` (aggregate with a mean over tokens)."""
+    """He et al. 2024 Eq. 2 per token: ``max_d |x| / median_d |x|`` (aggregate with a mean over tokens)."""
     a = x.abs().float()
     med = a.median(-1).values.to(F64)
     return a.amax(-1).to(F64) / med.clamp_min(torch.finfo(F64).tiny)
 
 
 def norm_ratio(x: torch.Tensor) -> torch.Tensor:
-    """Seed 000 §3.7 per token: ``||x||_inf^2 / ||x||_2^2`` (1 for one dominant channel, 1/D for a flat one)."""
+    """Kaul et al. 2024 §3.7 per token: ``||x||_inf^2 / ||x||_2^2`` (1 for one dominant channel, 1/D for a flat one)."""
     x = x.to(F64)
     return x.abs().amax(-1).square() / x.square().sum(-1).clamp_min(torch.finfo(F64).tiny)
 
@@ -122,7 +123,7 @@ def mean_pairwise_cosine(x: torch.Tensor) -> torch.Tensor:
 
 
 def signal_prop_corr(x: torch.Tensor) -> torch.Tensor:
-    """Seed 002 §2.1: mean off-diagonal of ``X~ X~^T / d`` with ``X~ = X / sqrt(||X||_F^2 / (n d))``."""
+    """He et al. 2024 §2.1: mean off-diagonal of ``X~ X~^T / d`` with ``X~ = X / sqrt(||X||_F^2 / (n d))``."""
     x = x.to(F64).reshape(-1, x.shape[-1])
     n = x.shape[0]
     s = x.square().sum()
@@ -130,7 +131,7 @@ def signal_prop_corr(x: torch.Tensor) -> torch.Tensor:
 
 
 def first_token_argmax_share(probs: torch.Tensor, exclude_first_query: bool = False) -> torch.Tensor:
-    """Seed 000 §3.5: fraction of (batch, head, query) rows whose argmax key is key 0 (ties: lowest index)."""
+    """Kaul et al. 2024 §3.5: fraction of (batch, head, query) rows whose argmax key is key 0 (ties: lowest index)."""
     hit = probs.argmax(-1) == 0
     if exclude_first_query:
         hit = hit[..., 1:]
@@ -138,7 +139,7 @@ def first_token_argmax_share(probs: torch.Tensor, exclude_first_query: bool = Fa
 
 
 def first_token_attention_mass(probs: torch.Tensor, normalise_rows: bool = False) -> torch.Tensor:
-    """Seed 000 §3.6: mean probability on key 0 (raw; or divided by the row mass, which differs under
+    """Kaul et al. 2024 §3.6: mean probability on key 0 (raw; or divided by the row mass, which differs under
     softmax-1)."""
     p0 = probs[..., 0].to(F64)
     if normalise_rows:

@@ -1,7 +1,7 @@
 """Probe pictures, drawn with matplotlib into HWC uint8 arrays: the same labelled picture goes to TensorBoard
 (``add_image(..., dataformats="HWC")``) and to the evaluation's PNG files.
 
-* :func:`attention_map_image`: the mean attention map (queries down, keys across), as seed 000 Fig. 1, on a
+* :func:`attention_map_image`: the mean attention map (queries down, keys across), as Kaul et al. 2024 Fig. 1, on a
   **fixed** log colour scale from 1e-4 to 1 (probabilities), so pictures of different steps and runs compare
   directly. The first key's column is outlined in red.
 * :func:`hidden_magnitude_image`: hidden-state magnitude per layer (rows) and channel (columns), two panels on

@@ -5,8 +5,8 @@ Usage (trainer)::
     probe = OutlierProbe(model, cfg.observe, mesh)       # once
     scalars, images = probe.run(tokens)                   # every observe.every steps, on every rank
 
-Measurement points: the residual stream at the output of every block (``model.layers[i]``: seed 000's
-"after the residual connection") and the final pre-head input (the output of ``model.norm``, seed 002's
+Measurement points: the residual stream at the output of every block (``model.layers[i]``: Kaul et al. 2024's
+"after the residual connection") and the final pre-head input (the output of ``model.norm``, He et al. 2024's
 unembedding input). In ``full`` mode every :class:`~outlier_titan.models.layers.Attention` also gets a
 ``prob_hook`` for that forward, so its probabilities are computed explicitly (softmax-1 included).
 

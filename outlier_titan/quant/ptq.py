@@ -2,7 +2,7 @@
 
 Every ``nn.Linear`` is a target (wq, wk, wv, wo, w1, w2, w3 and an untied head ``output``); embeddings,
 norms, softmax and the QK^T / PV matmuls stay in full precision. ``w8a8_static`` also quantises the residual
-stream where seed 002's recipe (Bondarenko et al.'s) does and every model of this stack exposes it: the
+stream where He et al. 2024's recipe (Bondarenko et al.'s) does and every model of this stack exposes it: the
 embedding sum (the input of block 0) and the residual sum after each block (its output). Its other
 quantisers (the residual sum after attention inside a block, norm outputs other than linear inputs,
 attention scores and probabilities) are not applied. Weights are replaced by their fake-quantised
@@ -15,12 +15,12 @@ Schemes (``SCHEMES``):
 name                      weights                              linear inputs                   linear outputs
 ========================  ==================================  ==============================  ==============
 int8_fine                 absmax int8, per output channel      absmax int8, per feature         -
-                                                               channel, dynamic (seed 000)
+                                                               channel, dynamic (Kaul et al. 2024)
 int8_fine_token           absmax int8, per output channel      absmax int8, per token, dynamic  -
 int8_moderate             absmax int8, per tensor              absmax int8, per tensor, dyn.    -
 int8_coarse               absmax int8, per tensor              absmax int8, per tensor, dyn.    same as inputs
 int4_zeropoint            zeropoint int4, per output channel   -                                -
-w8a8_static (seed 002)    int8 symmetric, per tensor, MSE      uint8 asymmetric, per tensor,    same as inputs
+w8a8_static (He et al. 2024)    int8 symmetric, per tensor, MSE      uint8 asymmetric, per tensor,    same as inputs
                           clip                                 static calibrated ranges         (+ residual)
 ========================  ==================================  ==============================  ==============
 
@@ -44,9 +44,9 @@ w4a16_gptq, w4a4kv4_gptq   GPTQ on the int4 per-channel grid            as the _
 GPTQ schemes calibrate on the report's calibration batches (one run per calibration seed); rotated schemes draw the
 random signs from the same seed, so both report a spread over seeds.
 
-Seed 000 leaves the LM head unstated: its schemes quantise an untied head (a linear layer) and leave a tied
-head (the embedding matrix) in full precision. Seed 002 keeps the head in full precision. The applied choice
-is reported by :func:`quantized`. Seed 000's "per-channel activations" is read as per feature channel
+Kaul et al. 2024 leaves the LM head unstated: its schemes quantise an untied head (a linear layer) and leave a tied
+head (the embedding matrix) in full precision. He et al. 2024 keeps the head in full precision. The applied choice
+is reported by :func:`quantized`. Kaul et al. 2024's "per-channel activations" is read as per feature channel
 (its spec §6.2); ``int8_fine_token`` is the per-token (LLM.int8 "vector-wise") reading.
 """
 
@@ -74,7 +74,7 @@ class Scheme:
     quantize_output: bool  # also quantise the linear's output activation (same kind as ``act``)
     head: bool  # quantise an untied LM head
     calibrate: bool = False
-    quantize_residual: bool = False  # static only: the residual stream at block boundaries (seed 002)
+    quantize_residual: bool = False  # static only: the residual stream at block boundaries (He et al. 2024)
     # --- 4-bit schemes (issue 27) ---
     act_bits: int = 8  # dynamic activation quantisers: symmetric absmax at this width
     kv_bits: int | None = None  # K and V after RoPE: asymmetric per head, token and group of kv_group channels

@@ -1,13 +1,13 @@
 """Fake quantisers (quantise, then dequantise, in floating point) as pure tensor functions.
 
-Seed 000 (LLM.int8 conventions, §6.2 of its spec):
+Kaul et al. 2024 (LLM.int8 conventions, §6.2 of its spec):
 
 * absmax, b bits, symmetric: ``s = max|T| / (2^(b-1) - 1)``, ``q = clamp(round(T / s), -(2^(b-1)-1), 2^(b-1)-1)``,
   ``T^ = s q``; the max is taken per slice (``reduce_dims``: the dims the max runs over; None = whole tensor).
 * zeropoint, b bits, asymmetric: ``s = (hi - lo) / (2^b - 1)``, ``z = round(-lo / s)``,
   ``q = clamp(round(T / s) + z, 0, 2^b - 1)``, ``T^ = s (q - z)``: the minimum maps to code 0.
 
-Seed 002 (Bondarenko et al.'s W8A8 recipe, §7 of its spec):
+He et al. 2024 (Bondarenko et al.'s W8A8 recipe, §7 of its spec):
 
 * weights: symmetric signed int8 on [-128, 127] with ``s = c / 127``, the clip ``c`` chosen by an MSE grid
   search over ``c = max|W| * i / n`` (i = 1..n, n = 100);

@@ -1,4 +1,4 @@
-"""Scaling-law fits on a collected sweep table (seed 001's method, §9 of reference/seed_angpt.md).
+"""Scaling-law fits on a collected sweep table (the method of Franke et al. 2025, arXiv 2505.22014).
 
 Pipeline (``fit_table``): the ``done`` rows of each family → minimum loss per log-spaced compute bin (the
 frontier) → ``L(C) = A0·C^(−α)`` (or ``E + A0·C^(−α)``) → ``N_opt(C) = N0·C^(α_N)`` and
@@ -304,7 +304,7 @@ class FitResult:
 def hparam_optimum(hp, loss) -> tuple[float, float, str]:
     """The loss-minimising value of one hyperparameter for one size: ``(value, loss, how)``.
 
-    As in seed 001 (§8, after Porian et al.): an Akima interpolant of loss over log(hp), minimised between the
+    As in Franke et al. 2025 (§8, after Porian et al.): an Akima interpolant of loss over log(hp), minimised between the
     neighbours of the best grid value (``how="interp"``). With fewer than three values, or the best at the
     grid's edge (the optimum is not bracketed), the best grid value is returned (``how="grid"``/``"edge"``).
     """

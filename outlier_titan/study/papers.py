@@ -1,9 +1,9 @@
-"""The papers' numbers that the reproduction suites put beside ours, transcribed from the reference specs.
+"""The papers' numbers that the reproduction suites put beside ours, transcribed from the papers.
 
 Each :class:`PaperRow` names the sweep point it corresponds to by axis values (``select``), the paper's value per
-metric, and where the number is printed. Sources: ``shared/reference/seed_orthoadam.md`` §7 (Kaul et al., ICLR
-2025: Tables 2, 3, 5), ``seed_op_soap.md`` §6.3 (He et al. 2024: Table 2, OPT-125m), ``seed_angpt.md`` §10 (Franke
-et al. 2025: §5.2, Fig. 3, Table 2). The model sizes differ from ours; the rows are the papers' settings that our
+metric, and where the number is printed. Sources: Kaul et al. 2024 (arXiv 2410.17174; ICLR 2025): Tables 2,
+3, 5; He et al. 2024 (arXiv 2405.19279): Table 2, OPT-125m; Franke et al. 2025 (arXiv 2505.22014): §5.2, Fig. 3,
+Table 2 (our readings: docs/papers/). The model sizes differ from ours; the rows are the papers' settings that our
 points mirror, not predictions of our numbers.
 """
 
@@ -58,7 +58,7 @@ KAUL = SuiteInfo(
         PaperRow("GPT2 130M, OrthoAdam, softmax-1, RMSNorm-S", _k("orthoadam", "softmax1", "rmsnorm_single"),
                  dict(ppl=22.8, kurtosis_first=10.1, kurtosis_rest=7.3, max_abs_first=318.1, max_abs_rest=261.6,
                       first_share=0.019, d_int8_coarse=0.43, d_int4=1.2), "Table 2 row 8, Table 3 row 4"),
-        # Table 5 (GPT2 ~130M, 40k steps): its single kurtosis / max column is undefined (seed_orthoadam.md §3.3),
+        # Table 5 (GPT2 ~130M, 40k steps): its single kurtosis / max column does not say which layers it covers,
         # so only PPL and %First are compared
         PaperRow("GPT2 130M ablation, Adam, softmax, LayerNorm", _k("adam", "softmax", "layernorm"),
                  dict(ppl=26.9, first_share=0.308), "Table 5 row 2"),
@@ -98,7 +98,7 @@ HE = SuiteInfo(
     kurtosis="kurtosis_neuron_rms",
     tile_study=({"optimizer.name": "adamw"}, {"optimizer.name": "soap"}, "peak_kurtosis_neuron_rms", 5.0,
                 ("peak_kurtosis_neuron_rms", "kurtosis_neuron_rms", "max_abs_rest", "d_w8a8", "final_val_loss")),
-    extra_probe=("signal_prop_corr",),  # seed 002 §2: mean input correlation tracks the kurtosis
+    extra_probe=("signal_prop_corr",),  # He et al. 2024 §2: mean input correlation tracks the kurtosis
 )
 
 FRANKE = SuiteInfo(

@@ -376,7 +376,7 @@ def worst_layer_peaks(records: dict[int, dict], metric: str) -> tuple[float, int
 
 def peaks_table(sweep_dir: Path, rows: list[dict[str, Any]], metrics: list[str]) -> list[str]:
     """Markdown: per point and metric, the final and peak (over probe steps) mean over blocks, and the worst
-    layer's peak with its layer and step (outliers peak early and in early layers, seed 002)."""
+    layer's peak with its layer and step (outliers peak early and in early layers, He et al. 2024)."""
     head = "| point | " + " | ".join(f"{m}: final / peak / worst layer (layer, step)" for m in metrics) + " |"
     lines = [head, "|---|" + "---|" * len(metrics)]
     for r in rows:

@@ -48,7 +48,7 @@ from outlier_titan.packaged import configs_dir
 
 
 def gpt2_124m_shapes(vocab: int = 50304, dim: int = 768, layers: int = 12, ctx: int = 1024) -> list[tuple]:
-    """GPT-2 small (seed 000's "130M" class): tied embeddings, learned positions, LayerNorm with bias."""
+    """GPT-2 small (Kaul et al. 2024's "130M" class): tied embeddings, learned positions, LayerNorm with bias."""
     shapes = [("tok_embeddings.weight", (vocab, dim)), ("pos_embeddings.weight", (ctx, dim))]
     for i in range(layers):
         p = f"layers.{i}."

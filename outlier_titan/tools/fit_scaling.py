@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Fit scaling laws to a collected sweep table (seed 001's method) and plot them.
+"""Fit scaling laws to a collected sweep table (Franke et al. 2025's method) and plot them.
 
     outlier-titan-fit-scaling SWEEP_DIR/results.csv --family model.name --out SWEEP_DIR/fit
 
