@@ -11,6 +11,7 @@ configs by name: ``debug``, ``debug.toml``, ``suites/kaul2024/smoke`` or ``train
 
 from __future__ import annotations
 
+import os
 from importlib.resources import files
 from pathlib import Path, PurePosixPath
 
@@ -26,6 +27,18 @@ def package_path(*parts: str) -> Path:
         raise UserError(f"outlier_titan is installed without files on disk ({root}); install it with pip from the "
                         "repository or a wheel")
     return root.joinpath(*parts)
+
+
+def child_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default ``os.environ``) with the folder this package was imported from first on PYTHONPATH:
+    the processes a sweep, a reproduction or an evaluation starts (``python -m outlier_titan...``) then run this
+    very code, whatever their working directory and whatever else is installed (a sweep started from a
+    ``git worktree`` keeps running that commit's code)."""
+    env = dict(os.environ if environ is None else environ)
+    here = str(Path(__file__).resolve().parent.parent)
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != here]
+    env["PYTHONPATH"] = os.pathsep.join([here, *rest])
+    return env
 
 
 def embedded_bpe() -> Path:

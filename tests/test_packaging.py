@@ -18,7 +18,7 @@ import pytest
 import outlier_titan
 from outlier_titan.config.manager import ConfigError, parse_args, to_toml
 from outlier_titan.data.tokenizer import EMBEDDED_BPE, build_tokenizer, load_bpe_file
-from outlier_titan.packaged import configs_dir, packaged_config, packaged_config_names, resolve_config
+from outlier_titan.packaged import child_environment, configs_dir, packaged_config, packaged_config_names, resolve_config
 from outlier_titan.study.reproduce import suite_file
 from tests.launch import REPO
 
@@ -57,6 +57,17 @@ def test_checkout_configs_are_the_packaged_configs():
     """One copy of each file: the package's configs folder is the repository's train_configs/."""
     assert (PACKAGE / "configs").resolve() == (REPO / "train_configs").resolve() == configs_dir()
     assert suite_file("kaul2024", "smoke") == (REPO / "train_configs/suites/kaul2024/smoke.toml").resolve()
+
+
+def test_child_processes_import_this_package_from_any_directory(tmp_path):
+    """The processes a sweep or a reproduction starts import the package the parent imported (a worktree's code,
+    not whatever else is installed), with the user's PYTHONPATH kept behind it."""
+    env = child_environment({k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": "/x"})
+    out = subprocess.run([sys.executable, "-c", "import outlier_titan, sys; print(outlier_titan.__file__)"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(out).resolve() == Path(outlier_titan.__file__).resolve()
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(Path(outlier_titan.__file__).resolve().parents[1]), "/x"]
+    assert child_environment(env)["PYTHONPATH"] == env["PYTHONPATH"]  # idempotent
 
 
 def test_library_starts_package_modules_not_scripts(tmp_path):

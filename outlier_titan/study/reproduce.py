@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from outlier_titan.errors import UserError
 from outlier_titan.observe.logger import read_metrics
-from outlier_titan.packaged import configs_dir
+from outlier_titan.packaged import child_environment, configs_dir
 from outlier_titan.study import stats
 from outlier_titan.study.papers import SUITE_INFO, SuiteInfo
 from outlier_titan.study.plan import point_dir
@@ -83,7 +83,8 @@ def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, 
                "--batch-size", str(a["batch_size"]), "--calib-batches", str(a["calib_batches"]),
                "--calib-seeds", str(a["calib_seeds"])]
         with (folder / "eval.log").open("w") as log:
-            rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=child_environment())
         if rc != 0:
             failed.append(e["name"])
     return failed

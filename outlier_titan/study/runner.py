@@ -39,6 +39,7 @@ from outlier_titan.config.manager import tomllib
 from outlier_titan.errors import UserError
 from outlier_titan.exit_codes import STOPPED
 from outlier_titan.observe.logger import read_metrics
+from outlier_titan.packaged import child_environment
 from outlier_titan.study.plan import point_dir
 
 STATE = "sweep_state.json"
@@ -200,9 +201,10 @@ def wait_for_previous_trainers(sweep_dir: Path, entries: list[dict[str, Any]], t
 
 
 def trainer_environment(parallel: int, nproc: int, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a point's trainer: ``environ`` (default ``os.environ``) with unbuffered output and,
+    """The environment of a point's trainer: ``environ`` (default ``os.environ``) with this package first on
+    PYTHONPATH (``packaged.child_environment``), unbuffered output and,
     unless it sets ``OMP_NUM_THREADS``, this machine's CPUs shared out over ``parallel * nproc`` processes."""
-    env = {**(os.environ if environ is None else environ), "PYTHONUNBUFFERED": "1"}
+    env = {**child_environment(environ), "PYTHONUNBUFFERED": "1"}
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // (parallel * nproc)))
     return env

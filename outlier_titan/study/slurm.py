@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from outlier_titan.packaged import child_environment
+
 
 DEFAULTS = {"nodes": 1, "gpus_per_node": 8, "cpus_per_task": 0, "time": "", "partition": "", "account": "",
             "signal_seconds": 120, "extra": []}
@@ -85,7 +87,8 @@ def submit(script: Path) -> tuple[int, str]:
     """``sbatch SCRIPT`` when sbatch is on PATH: (exit code, output); (-1, '') when it is not."""
     if shutil.which("sbatch") is None:
         return -1, ""
-    proc = subprocess.run(["sbatch", str(script)], capture_output=True, text=True)
+    # sbatch passes the submitting environment on (--export=ALL): the tasks run this very package
+    proc = subprocess.run(["sbatch", str(script)], capture_output=True, text=True, env=child_environment())
     return proc.returncode, (proc.stdout + proc.stderr).strip()
 
 

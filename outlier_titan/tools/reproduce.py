@@ -24,6 +24,7 @@ from pathlib import Path
 
 from outlier_titan import cli
 from outlier_titan.errors import UserError
+from outlier_titan.packaged import child_environment
 from outlier_titan.study.reproduce import SCALES, SUITES
 
 
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         if args.slurm:
             cmd = [sys.executable, "-m", "outlier_titan.tools.sweep", "run", str(sweep_dir), "--slurm",
                    *shlex.split(args.slurm_args)]
-            rc = subprocess.call(cmd)
+            rc = subprocess.call(cmd, env=child_environment())
             print(f"when the array has finished: outlier-titan-reproduce --suite {args.suite} --scale "
                   f"{args.scale} --sweep-dir {sweep_dir} --out {out} --report-only", file=sys.stderr)
             return rc
