@@ -163,7 +163,7 @@ def test_a_stray_sigterm_to_the_job_step_requeues_and_never_completes_early(tmp_
     log = slurm_log(tmp_path, job_id)
     assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, (info["JobState"], log[-3000:])
     assert "SIGTERM received" in log and "on a signal this script did not send: requeueing" in log, log[-3000:]
-    assert f"ranks exited with 0; {STEPS} of {STEPS} steps done" in log, log[-3000:]
+    assert f"ranks exited with 0 (srun: 0); {STEPS} of {STEPS} steps done" in log, log[-3000:]
     assert losses(tmp_path / "a") == reference[0]
 
 

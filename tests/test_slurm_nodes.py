@@ -35,17 +35,28 @@ _REASON = _reason()
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 
-def run_args(tmp: Path, name: str) -> list[str]:
+def run_args(tmp: Path, name: str, *extra: str) -> list[str]:
+    """The debug config, tiny, FSDP over 2 ranks, a checkpoint every 10 steps; ``extra`` overrides win."""
     return ["train_configs/debug.toml", *TINY, "--parallelism.dp_shard", "2", "--training.steps", str(STEPS),
             "--job.dump_folder", str(tmp), "--job.name", name, "--checkpoint.enable", "true",
-            "--checkpoint.interval", "10"]
+            "--checkpoint.interval", "10", *extra]
 
 
-def sbatch(tmp: Path, name: str, *export: str) -> str:
+def sbatch(tmp: Path, name: str, *export: str, extra: tuple[str, ...] = (), ranks_per_node: int = 1) -> str:
     cmd = ["sbatch", "--parsable", f"--chdir={REPO}", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1",
-           ",".join(["--export=ALL", "GPUS_PER_NODE=1", *export]), f"--output={tmp}/slurm-%j.out",
-           "scripts/multinode.slurm", *run_args(tmp, name)]
+           ",".join(["--export=ALL", f"GPUS_PER_NODE={ranks_per_node}", *export]), f"--output={tmp}/slurm-%j.out",
+           "scripts/multinode.slurm", *run_args(tmp, name, *extra)]
     return subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, check=True).stdout.strip()
+
+
+def standalone(tmp: Path, name: str, nproc: int, *extra: str) -> dict[int, float]:
+    """Losses of the same run on this host: ``python -m outlier_titan.launch --standalone``."""
+    config, *overrides = run_args(tmp, name, *extra)
+    ref = subprocess.run([sys.executable, "-m", "outlier_titan.launch", "--standalone", f"--nproc_per_node={nproc}",
+                          "train.py", "--config", config, *overrides], cwd=REPO, env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return losses(tmp / name)
 
 
 def wait_for_end(job_id: str, limit_s: float) -> str:
@@ -59,13 +70,7 @@ def wait_for_end(job_id: str, limit_s: float) -> str:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
     """Losses of the same run under ``python -m outlier_titan.launch --standalone --nproc_per_node 2``."""
-    tmp = tmp_path_factory.mktemp("ref")
-    config, *overrides = run_args(tmp, "ref")
-    ref = subprocess.run([sys.executable, "-m", "outlier_titan.launch", "--standalone", "--nproc_per_node=2",
-                          "train.py", "--config", config, *overrides], cwd=REPO, env=ENV, capture_output=True,
-                         text=True, timeout=300)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    return losses(tmp / "ref")
+    return standalone(tmp_path_factory.mktemp("ref"), "ref", 2)
 
 
 def job_state(job_id: str) -> str:
@@ -107,5 +112,41 @@ def test_a_node_that_dies_and_comes_back_costs_a_requeue_not_the_run(tmp_path, r
     log = slurm_log(tmp_path, job_id)
     assert state == "COMPLETED", log[-3000:]
     assert "ending srun" in log and "a rank or node failed (exit 1)" in log and "requeueing" in log, log[-3000:]
-    assert f"{STEPS} of {STEPS} steps done" in log, log[-3000:]
+    assert f"{STEPS} of {STEPS} steps done" in log and log.count("restart ") == 2, log[-3000:]
+    assert losses(tmp_path / "a") == reference
+
+
+def test_hsdp_with_soap_across_nodes_equals_one_host(tmp_path):
+    """Issue 29: HSDP with the replicas on different nodes (dp_replicate 2 over node1 / node2, dp_shard 2 inside
+    each) and SOAP (its preconditioners beside the shards) give the losses of the same 4 ranks on one host."""
+    extra = ("--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", "--optimizer.name", "soap",
+             "--training.steps", "8")
+    ref = standalone(tmp_path, "ref", 4, *extra)
+    job_id = sbatch(tmp_path, "a", extra=extra, ranks_per_node=2)
+    state = wait_for_end(job_id, 300)
+    log = slurm_log(tmp_path, job_id)
+    assert state == "COMPLETED", log[-3000:]
+    assert "hosts: node1 ranks 0-1 | node2 ranks 2-3" in log, log[-3000:]
+    assert losses(tmp_path / "a") == ref and len(ref) == 8
+
+
+def test_usr1_before_the_time_limit_saves_on_both_nodes_and_requeues(tmp_path, reference):
+    """Issue 29: Slurm's warning signal (USR1 to the batch script, as --signal=B:USR1@N sends it) reaches the
+    ranks on both nodes, which save one checkpoint at the same step and exit 75; the job requeues, resumes from
+    it and ends COMPLETED with the uninterrupted run's losses."""
+    job_id = sbatch(tmp_path, "a")
+    t0 = time.monotonic()
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    while not (metrics.is_file() and max(losses(tmp_path / "a"), default=0) >= 12):
+        assert time.monotonic() - t0 < 180 and job_state(job_id) in ("PENDING", "RUNNING"), job_state(job_id)
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=ENV, check=True, timeout=30)
+    state = wait_for_end(job_id, 300)
+    log = slurm_log(tmp_path, job_id)
+    assert state == "COMPLETED", log[-3000:]
+    stopped = [line for line in log.splitlines() if "stopped before the time limit at step" in line]
+    assert len(stopped) == 1 and "requeueing" in stopped[0], log[-3000:]
+    assert "ranks exited with 75 " in log, log[-3000:]  # not srun's 143 for the peer it killed after the stop
+    step = int(stopped[0].split("at step ")[1].split()[0])
+    assert f"resumed from {tmp_path / 'a' / 'checkpoints' / f'step-{step}'}" in log, log[-3000:]
     assert losses(tmp_path / "a") == reference
