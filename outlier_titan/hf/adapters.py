@@ -10,103 +10,19 @@ Two families, each a mapping between an HF checkpoint (``config.json`` + ``*.saf
   i + d_h/2, which is our ``RotaryEmbedding`` layout, so q/k weights map unpermuted (the interleaved-pair
   permutation exists only between Meta's original files and HF's).
 
-Any config option we cannot reproduce exactly is a :class:`UserError` naming it.
+Any config option we cannot reproduce exactly is an :class:`~outlier_titan.hf.folders.HFError` naming it.
+:func:`hf_model_config` turns an HF folder's ``config.json`` into our ``[model]`` section.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from outlier_titan.errors import UserError
-
-CONFIG = "config.json"
-INDEX = "model.safetensors.index.json"
-WEIGHTS = "model.safetensors"
-
-
-class HFError(UserError):
-    """An HF folder that cannot be imported or a model that cannot be exported to HF."""
-
-
-# ---------------------------------------------------------------- folders
-
-def is_hf_folder(path: str | Path) -> bool:
-    return (Path(path) / CONFIG).is_file()
-
-
-def read_hf_config(path: str | Path) -> dict[str, Any]:
-    file = Path(path) / CONFIG
-    if not file.is_file():
-        raise HFError(f"{path} has no {CONFIG}; pass a Hugging Face model folder (save_pretrained output)")
-    try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise HFError(f"{file} is not valid JSON ({e}); restore the file from the model's source") from None
-
-
-def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    folder = Path(path)
-    if (folder / INDEX).is_file():
-        try:
-            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise HFError(f"{folder / INDEX} has no valid 'weight_map'; the sharded checkpoint is corrupt") from None
-        files = sorted(set(weight_map.values()))
-    elif (folder / WEIGHTS).is_file():
-        files = [WEIGHTS]
-    else:
-        raise HFError(f"{folder} has no {WEIGHTS} or {INDEX}; the folder holds no safetensors weights "
-                      f"(save with safe_serialization=True)")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        file = folder / name
-        if not file.is_file():
-            raise HFError(f"{folder} lacks the weight shard {name} named in {INDEX}; copy the missing shard")
-        try:
-            tensors.update(load_file(str(file)))
-        except (SafetensorError, OSError) as e:
-            raise HFError(f"cannot read {file}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    return tensors
-
-
-def write_hf_folder(path: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                    max_shard_bytes: int = 5 * 2**30) -> list[Path]:
-    """Writes ``config.json`` and the tensors as one ``model.safetensors`` or as shards plus an index file."""
-    from safetensors.torch import save_file
-
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.detach().contiguous().cpu()
-        size += nbytes
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / WEIGHTS), metadata=meta)
-        return [folder / CONFIG, folder / WEIGHTS]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for name, shard in zip(names, shards):
-        save_file(shard, str(folder / name), metadata=meta)
-        weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                           indent=2, sort_keys=True) + "\n")
-    return [folder / CONFIG, folder / INDEX, *(folder / n for n in names)]
+from outlier_titan.config.job_config import Model
+from outlier_titan.hf.folders import HFError, read_hf_config
 
 
 # ---------------------------------------------------------------- adapters
@@ -383,3 +299,11 @@ def adapter_for_args(args) -> tuple[Any, str]:
     adapter = LlamaAdapter if mlp == "swiglu" else GPT2Adapter
     why = adapter.exportable(args)
     return (None, why) if why else (adapter, "")
+
+
+def hf_model_config(path: str | Path) -> Model:
+    """The ``[model]`` config section (every ``pre_ln`` option explicit) that reproduces an HF folder's model."""
+    config = read_hf_config(path)
+    adapter = adapter_for_hf(config)
+    options = adapter.options_from_hf(config)
+    return Model(name="pre_ln", flavor="debug_llama" if adapter.family == "llama" else "debug", **options)
