@@ -58,10 +58,44 @@ def _checked_tensors(family: str, t: dict[str, torch.Tensor], a, expected: dict[
     return t
 
 
-class GPT2Adapter:
+class _Adapter:
+    """The walk both families share: the tensors outside the blocks (``_OUTER``: our name -> HF name), each
+    block's (``_block_from_hf`` / ``_block_to_hf``), and the head when it is not tied."""
+
+    family: str
+    _IGNORE: tuple[str, ...]
+    _OUTER: dict[str, str]
+
+    @classmethod
+    def from_hf(cls, t: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
+        """HF tensors -> our state dict (checked against the shapes ``a`` implies)."""
+        t = _checked_tensors(cls.family, t, a, cls.expected_hf_shapes(a), cls._IGNORE)
+        return cls._walk(t, a, to_hf=False)
+
+    @classmethod
+    def to_hf(cls, s: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
+        """Our state dict -> HF tensors (the tied head is not stored, as ``save_pretrained`` does)."""
+        return cls._walk(s, a, to_hf=True)
+
+    @classmethod
+    def _walk(cls, src: dict[str, torch.Tensor], a, to_hf: bool) -> dict[str, torch.Tensor]:
+        outer = {hf: ours for ours, hf in cls._OUTER.items()} if to_hf else cls._OUTER  # destination -> source
+        block = cls._block_to_hf if to_hf else cls._block_from_hf
+        head, src_head = ("lm_head.weight", "output.weight") if to_hf else ("output.weight", "lm_head.weight")
+        out = {dst: src[name] for dst, name in outer.items()}
+        for i in range(a.n_layers):
+            out.update(block(src, i, a))
+        if not a.tie_embeddings:
+            out[head] = src[src_head]
+        return {k: v.contiguous() for k, v in out.items()}
+
+
+class GPT2Adapter(_Adapter):
     """HF ``GPT2LMHeadModel`` <-> ``pre_ln`` GPT-2 style."""
 
     family = "gpt2"
+    _OUTER = {"tok_embeddings.weight": "transformer.wte.weight", "pos_embeddings.weight": "transformer.wpe.weight",
+              "norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias"}
     _ACT = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
     # Causal-mask buffers that older transformers versions saved with the weights.
     _IGNORE = (".attn.bias", ".attn.masked_bias")
@@ -136,44 +170,28 @@ class GPT2Adapter:
         return shapes
 
     @classmethod
-    def from_hf(cls, t: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
-        """HF tensors -> our state dict (checked against the shapes ``a`` implies)."""
-        t = _checked_tensors("gpt2", t, a, cls.expected_hf_shapes(a), cls._IGNORE)
-        out = {"tok_embeddings.weight": t["transformer.wte.weight"],
-               "pos_embeddings.weight": t["transformer.wpe.weight"],
-               "norm.weight": t["transformer.ln_f.weight"], "norm.bias": t["transformer.ln_f.bias"]}
-        for i in range(a.n_layers):
-            for hf, ours, transposed in cls._names(i):
-                out[ours] = t[hf].t() if transposed else t[hf]
-            w = t[f"transformer.h.{i}.attn.c_attn.weight"].t()
-            b = t[f"transformer.h.{i}.attn.c_attn.bias"]
-            for name, wp, bp in zip("qkv", w.chunk(3, 0), b.chunk(3, 0)):
-                out[f"layers.{i}.attention.w{name}.weight"], out[f"layers.{i}.attention.w{name}.bias"] = wp, bp
-        if not a.tie_embeddings:
-            out["output.weight"] = t["lm_head.weight"]
-        return {k: v.contiguous() for k, v in out.items()}
+    def _block_from_hf(cls, t: dict[str, torch.Tensor], i: int, a) -> dict[str, torch.Tensor]:
+        out = {ours: t[hf].t() if transposed else t[hf] for hf, ours, transposed in cls._names(i)}
+        w = t[f"transformer.h.{i}.attn.c_attn.weight"].t()
+        b = t[f"transformer.h.{i}.attn.c_attn.bias"]
+        for name, wp, bp in zip("qkv", w.chunk(3, 0), b.chunk(3, 0)):
+            out[f"layers.{i}.attention.w{name}.weight"], out[f"layers.{i}.attention.w{name}.bias"] = wp, bp
+        return out
 
     @classmethod
-    def to_hf(cls, s: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
-        """Our state dict -> HF tensors (the tied head is not stored, as ``save_pretrained`` does)."""
-        out = {"transformer.wte.weight": s["tok_embeddings.weight"],
-               "transformer.wpe.weight": s["pos_embeddings.weight"],
-               "transformer.ln_f.weight": s["norm.weight"], "transformer.ln_f.bias": s["norm.bias"]}
-        for i in range(a.n_layers):
-            for hf, ours, transposed in cls._names(i):
-                out[hf] = s[ours].t() if transposed else s[ours]
-            p = f"layers.{i}.attention."
-            out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat([s[p + f"w{n}.weight"] for n in "qkv"]).t()
-            out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat([s[p + f"w{n}.bias"] for n in "qkv"])
-        if not a.tie_embeddings:
-            out["lm_head.weight"] = s["output.weight"]
-        return {k: v.contiguous() for k, v in out.items()}
+    def _block_to_hf(cls, s: dict[str, torch.Tensor], i: int, a) -> dict[str, torch.Tensor]:
+        out = {hf: s[ours].t() if transposed else s[ours] for hf, ours, transposed in cls._names(i)}
+        p = f"layers.{i}.attention."
+        out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat([s[p + f"w{n}.weight"] for n in "qkv"]).t()
+        out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat([s[p + f"w{n}.bias"] for n in "qkv"])
+        return out
 
 
-class LlamaAdapter:
+class LlamaAdapter(_Adapter):
     """HF ``LlamaForCausalLM`` <-> ``pre_ln`` Llama style."""
 
     family = "llama"
+    _OUTER = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     _IGNORE = ("rotary_emb.inv_freq",)
 
     @staticmethod
@@ -257,23 +275,12 @@ class LlamaAdapter:
         return shapes
 
     @classmethod
-    def from_hf(cls, t: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
-        t = _checked_tensors("llama", t, a, cls.expected_hf_shapes(a), cls._IGNORE)
-        out = {"tok_embeddings.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"]}
-        for i in range(a.n_layers):
-            out.update({ours: t[hf] for hf, ours in cls._names(i, a.bias)})
-        if not a.tie_embeddings:
-            out["output.weight"] = t["lm_head.weight"]
-        return {k: v.contiguous() for k, v in out.items()}
+    def _block_from_hf(cls, t: dict[str, torch.Tensor], i: int, a) -> dict[str, torch.Tensor]:
+        return {ours: t[hf] for hf, ours in cls._names(i, a.bias)}
 
     @classmethod
-    def to_hf(cls, s: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
-        out = {"model.embed_tokens.weight": s["tok_embeddings.weight"], "model.norm.weight": s["norm.weight"]}
-        for i in range(a.n_layers):
-            out.update({hf: s[ours] for hf, ours in cls._names(i, a.bias)})
-        if not a.tie_embeddings:
-            out["lm_head.weight"] = s["output.weight"]
-        return {k: v.contiguous() for k, v in out.items()}
+    def _block_to_hf(cls, s: dict[str, torch.Tensor], i: int, a) -> dict[str, torch.Tensor]:
+        return {hf: s[ours] for hf, ours in cls._names(i, a.bias)}
 
 
 ADAPTERS = {"gpt2": GPT2Adapter, "llama": LlamaAdapter}
