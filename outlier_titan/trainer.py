@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from outlier_titan import preempt
-from outlier_titan.checkpoint.export import apply_initial_model, load_model_state
 from outlier_titan.checkpoint.manager import (Checkpointer, ModelState, OptimizerState, check_resume,
                                               list_checkpoints, move_aside, select_checkpoint)
 from outlier_titan.checkpoint.run_folder import RunFolder, check_writable, on_rank0
@@ -33,6 +32,7 @@ from outlier_titan.data import build_dataloader, build_tokenizer
 from outlier_titan.data.sources import tokenizer_mismatch
 from outlier_titan.errors import DivergedError
 from outlier_titan.eval.perplexity import validation_budget
+from outlier_titan.hf.load import apply_initial_model, load_model_state
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import build_meta_model, count_params, flops_per_token
 from outlier_titan.observe.logger import MetricsLogger, Throughput, peak_memory_gib

@@ -211,8 +211,9 @@ def test_attention_layers_cycle_and_parameters():
 
 
 def test_sink_logits_and_gates_export_to_safetensors_and_back_not_to_hf(tmp_path):
-    from outlier_titan.checkpoint.export import export_model, load_pretrained
     from outlier_titan.errors import UserError
+    from outlier_titan.hf.export import export_model
+    from outlier_titan.hf.load import load_pretrained
     from tests.test_hf import VOCAB, _save_dcp_checkpoint
 
     model = _save_dcp_checkpoint(tmp_path / "run", ["--model.attention_layers", "sink_logit,gated_elementwise",

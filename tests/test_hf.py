@@ -15,9 +15,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from outlier_titan.checkpoint.export import export_model, import_hf, load_pretrained  # noqa: E402
 from outlier_titan.errors import UserError  # noqa: E402
-from outlier_titan.models.hf_adapters import read_hf_tensors  # noqa: E402
+from outlier_titan.hf.export import export_model  # noqa: E402
+from outlier_titan.hf.folders import read_hf_tensors  # noqa: E402
+from outlier_titan.hf.load import import_hf, load_pretrained  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 4096  # the embedded tokenizer's vocabulary, so imported models can read the embedded corpus

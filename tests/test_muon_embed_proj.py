@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from outlier_titan.checkpoint.export import export_model, load_pretrained
 from outlier_titan.config.manager import ConfigError
+from outlier_titan.hf.export import export_model
+from outlier_titan.hf.load import load_pretrained
 from outlier_titan.models.embed_proj import merge_embed_proj
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.pre_ln import PreLNArgs, PreLNTransformer

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     if args.hf:
-        from outlier_titan.checkpoint.export import load_pretrained
+        from outlier_titan.hf.load import load_pretrained
 
         ckpt = run_dir = Path(args.hf)
         model, cfg, tokenizer = load_pretrained(ckpt, device, tokenizer=args.tokenizer)

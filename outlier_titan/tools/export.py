@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="hf for GPT-2/Llama-shaped models, safetensors + config.toml for the others; auto picks")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="hf: split weights into files of this size")
     args = p.parse_args(argv)
-    from outlier_titan.checkpoint.export import export_model
+    from outlier_titan.hf.export import export_model
 
     try:
         fmt, files = export_model(args.source, args.out, args.format, int(args.max_shard_gb * 2**30))

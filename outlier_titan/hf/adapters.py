@@ -10,103 +10,19 @@ Two families, each a mapping between an HF checkpoint (``config.json`` + ``*.saf
   i + d_h/2, which is our ``RotaryEmbedding`` layout, so q/k weights map unpermuted (the interleaved-pair
   permutation exists only between Meta's original files and HF's).
 
-Any config option we cannot reproduce exactly is a :class:`UserError` naming it.
+Any config option we cannot reproduce exactly is an :class:`~outlier_titan.hf.folders.HFError` naming it.
+:func:`hf_model_config` turns an HF folder's ``config.json`` into our ``[model]`` section.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from outlier_titan.errors import UserError
-
-CONFIG = "config.json"
-INDEX = "model.safetensors.index.json"
-WEIGHTS = "model.safetensors"
-
-
-class HFError(UserError):
-    """An HF folder that cannot be imported or a model that cannot be exported to HF."""
-
-
-# ---------------------------------------------------------------- folders
-
-def is_hf_folder(path: str | Path) -> bool:
-    return (Path(path) / CONFIG).is_file()
-
-
-def read_hf_config(path: str | Path) -> dict[str, Any]:
-    file = Path(path) / CONFIG
-    if not file.is_file():
-        raise HFError(f"{path} has no {CONFIG}; pass a Hugging Face model folder (save_pretrained output)")
-    try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise HFError(f"{file} is not valid JSON ({e}); restore the file from the model's source") from None
-
-
-def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    folder = Path(path)
-    if (folder / INDEX).is_file():
-        try:
-            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise HFError(f"{folder / INDEX} has no valid 'weight_map'; the sharded checkpoint is corrupt") from None
-        files = sorted(set(weight_map.values()))
-    elif (folder / WEIGHTS).is_file():
-        files = [WEIGHTS]
-    else:
-        raise HFError(f"{folder} has no {WEIGHTS} or {INDEX}; the folder holds no safetensors weights "
-                      f"(save with safe_serialization=True)")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        file = folder / name
-        if not file.is_file():
-            raise HFError(f"{folder} lacks the weight shard {name} named in {INDEX}; copy the missing shard")
-        try:
-            tensors.update(load_file(str(file)))
-        except (SafetensorError, OSError) as e:
-            raise HFError(f"cannot read {file}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    return tensors
-
-
-def write_hf_folder(path: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                    max_shard_bytes: int = 5 * 2**30) -> list[Path]:
-    """Writes ``config.json`` and the tensors as one ``model.safetensors`` or as shards plus an index file."""
-    from safetensors.torch import save_file
-
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.detach().contiguous().cpu()
-        size += nbytes
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / WEIGHTS), metadata=meta)
-        return [folder / CONFIG, folder / WEIGHTS]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for name, shard in zip(names, shards):
-        save_file(shard, str(folder / name), metadata=meta)
-        weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                           indent=2, sort_keys=True) + "\n")
-    return [folder / CONFIG, folder / INDEX, *(folder / n for n in names)]
+from outlier_titan.config.job_config import Model
+from outlier_titan.hf.folders import HFError, read_hf_config
 
 
 # ---------------------------------------------------------------- adapters
@@ -142,10 +58,44 @@ def _checked_tensors(family: str, t: dict[str, torch.Tensor], a, expected: dict[
     return t
 
 
-class GPT2Adapter:
+class _Adapter:
+    """The walk both families share: the tensors outside the blocks (``_OUTER``: our name -> HF name), each
+    block's (``_block_from_hf`` / ``_block_to_hf``), and the head when it is not tied."""
+
+    family: str
+    _IGNORE: tuple[str, ...]
+    _OUTER: dict[str, str]
+
+    @classmethod
+    def from_hf(cls, t: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
+        """HF tensors -> our state dict (checked against the shapes ``a`` implies)."""
+        t = _checked_tensors(cls.family, t, a, cls.expected_hf_shapes(a), cls._IGNORE)
+        return cls._walk(t, a, to_hf=False)
+
+    @classmethod
+    def to_hf(cls, s: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
+        """Our state dict -> HF tensors (the tied head is not stored, as ``save_pretrained`` does)."""
+        return cls._walk(s, a, to_hf=True)
+
+    @classmethod
+    def _walk(cls, src: dict[str, torch.Tensor], a, to_hf: bool) -> dict[str, torch.Tensor]:
+        outer = {hf: ours for ours, hf in cls._OUTER.items()} if to_hf else cls._OUTER  # destination -> source
+        block = cls._block_to_hf if to_hf else cls._block_from_hf
+        head, src_head = ("lm_head.weight", "output.weight") if to_hf else ("output.weight", "lm_head.weight")
+        out = {dst: src[name] for dst, name in outer.items()}
+        for i in range(a.n_layers):
+            out.update(block(src, i, a))
+        if not a.tie_embeddings:
+            out[head] = src[src_head]
+        return {k: v.contiguous() for k, v in out.items()}
+
+
+class GPT2Adapter(_Adapter):
     """HF ``GPT2LMHeadModel`` <-> ``pre_ln`` GPT-2 style."""
 
     family = "gpt2"
+    _OUTER = {"tok_embeddings.weight": "transformer.wte.weight", "pos_embeddings.weight": "transformer.wpe.weight",
+              "norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias"}
     _ACT = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
     # Causal-mask buffers that older transformers versions saved with the weights.
     _IGNORE = (".attn.bias", ".attn.masked_bias")
@@ -220,44 +170,28 @@ class GPT2Adapter:
         return shapes
 
     @classmethod
-    def from_hf(cls, t: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
-        """HF tensors -> our state dict (checked against the shapes ``a`` implies)."""
-        t = _checked_tensors("gpt2", t, a, cls.expected_hf_shapes(a), cls._IGNORE)
-        out = {"tok_embeddings.weight": t["transformer.wte.weight"],
-               "pos_embeddings.weight": t["transformer.wpe.weight"],
-               "norm.weight": t["transformer.ln_f.weight"], "norm.bias": t["transformer.ln_f.bias"]}
-        for i in range(a.n_layers):
-            for hf, ours, transposed in cls._names(i):
-                out[ours] = t[hf].t() if transposed else t[hf]
-            w = t[f"transformer.h.{i}.attn.c_attn.weight"].t()
-            b = t[f"transformer.h.{i}.attn.c_attn.bias"]
-            for name, wp, bp in zip("qkv", w.chunk(3, 0), b.chunk(3, 0)):
-                out[f"layers.{i}.attention.w{name}.weight"], out[f"layers.{i}.attention.w{name}.bias"] = wp, bp
-        if not a.tie_embeddings:
-            out["output.weight"] = t["lm_head.weight"]
-        return {k: v.contiguous() for k, v in out.items()}
+    def _block_from_hf(cls, t: dict[str, torch.Tensor], i: int, a) -> dict[str, torch.Tensor]:
+        out = {ours: t[hf].t() if transposed else t[hf] for hf, ours, transposed in cls._names(i)}
+        w = t[f"transformer.h.{i}.attn.c_attn.weight"].t()
+        b = t[f"transformer.h.{i}.attn.c_attn.bias"]
+        for name, wp, bp in zip("qkv", w.chunk(3, 0), b.chunk(3, 0)):
+            out[f"layers.{i}.attention.w{name}.weight"], out[f"layers.{i}.attention.w{name}.bias"] = wp, bp
+        return out
 
     @classmethod
-    def to_hf(cls, s: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
-        """Our state dict -> HF tensors (the tied head is not stored, as ``save_pretrained`` does)."""
-        out = {"transformer.wte.weight": s["tok_embeddings.weight"],
-               "transformer.wpe.weight": s["pos_embeddings.weight"],
-               "transformer.ln_f.weight": s["norm.weight"], "transformer.ln_f.bias": s["norm.bias"]}
-        for i in range(a.n_layers):
-            for hf, ours, transposed in cls._names(i):
-                out[hf] = s[ours].t() if transposed else s[ours]
-            p = f"layers.{i}.attention."
-            out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat([s[p + f"w{n}.weight"] for n in "qkv"]).t()
-            out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat([s[p + f"w{n}.bias"] for n in "qkv"])
-        if not a.tie_embeddings:
-            out["lm_head.weight"] = s["output.weight"]
-        return {k: v.contiguous() for k, v in out.items()}
+    def _block_to_hf(cls, s: dict[str, torch.Tensor], i: int, a) -> dict[str, torch.Tensor]:
+        out = {hf: s[ours].t() if transposed else s[ours] for hf, ours, transposed in cls._names(i)}
+        p = f"layers.{i}.attention."
+        out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat([s[p + f"w{n}.weight"] for n in "qkv"]).t()
+        out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat([s[p + f"w{n}.bias"] for n in "qkv"])
+        return out
 
 
-class LlamaAdapter:
+class LlamaAdapter(_Adapter):
     """HF ``LlamaForCausalLM`` <-> ``pre_ln`` Llama style."""
 
     family = "llama"
+    _OUTER = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     _IGNORE = ("rotary_emb.inv_freq",)
 
     @staticmethod
@@ -341,23 +275,12 @@ class LlamaAdapter:
         return shapes
 
     @classmethod
-    def from_hf(cls, t: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
-        t = _checked_tensors("llama", t, a, cls.expected_hf_shapes(a), cls._IGNORE)
-        out = {"tok_embeddings.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"]}
-        for i in range(a.n_layers):
-            out.update({ours: t[hf] for hf, ours in cls._names(i, a.bias)})
-        if not a.tie_embeddings:
-            out["output.weight"] = t["lm_head.weight"]
-        return {k: v.contiguous() for k, v in out.items()}
+    def _block_from_hf(cls, t: dict[str, torch.Tensor], i: int, a) -> dict[str, torch.Tensor]:
+        return {ours: t[hf] for hf, ours in cls._names(i, a.bias)}
 
     @classmethod
-    def to_hf(cls, s: dict[str, torch.Tensor], a) -> dict[str, torch.Tensor]:
-        out = {"model.embed_tokens.weight": s["tok_embeddings.weight"], "model.norm.weight": s["norm.weight"]}
-        for i in range(a.n_layers):
-            out.update({hf: s[ours] for hf, ours in cls._names(i, a.bias)})
-        if not a.tie_embeddings:
-            out["lm_head.weight"] = s["output.weight"]
-        return {k: v.contiguous() for k, v in out.items()}
+    def _block_to_hf(cls, s: dict[str, torch.Tensor], i: int, a) -> dict[str, torch.Tensor]:
+        return {hf: s[ours] for hf, ours in cls._names(i, a.bias)}
 
 
 ADAPTERS = {"gpt2": GPT2Adapter, "llama": LlamaAdapter}
@@ -383,3 +306,11 @@ def adapter_for_args(args) -> tuple[Any, str]:
     adapter = LlamaAdapter if mlp == "swiglu" else GPT2Adapter
     why = adapter.exportable(args)
     return (None, why) if why else (adapter, "")
+
+
+def hf_model_config(path: str | Path) -> Model:
+    """The ``[model]`` config section (every ``pre_ln`` option explicit) that reproduces an HF folder's model."""
+    config = read_hf_config(path)
+    adapter = adapter_for_hf(config)
+    options = adapter.options_from_hf(config)
+    return Model(name="pre_ln", flavor="debug_llama" if adapter.family == "llama" else "debug", **options)
