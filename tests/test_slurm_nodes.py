@@ -91,11 +91,13 @@ def test_two_nodes_one_rank_each_equal_the_standalone_launcher(tmp_path, referen
     assert losses(tmp_path / "a") == reference
 
 
-def test_a_node_that_dies_and_comes_back_costs_a_requeue_not_the_run(tmp_path, reference):
-    """Issue 29: node2 dies mid-run (every process killed at once) and its slurmd is back 5 s later, before
-    Slurm would mark it DOWN. Rank 0 fails (exit 1), srun keeps waiting for node2's lost task, the script's
-    watchdog ends srun STEP_GRACE_S later, the job requeues, resumes from the newest checkpoint and ends COMPLETED
-    with every step done and the uninterrupted run's loss at every step."""
+@pytest.mark.parametrize("absence_s", [5, 45])
+def test_a_node_that_dies_and_comes_back_costs_a_requeue_not_the_run(tmp_path, reference, absence_s):
+    """Issue 29: node2 dies mid-run (every process killed at once); its slurmd is back 5 s later (before Slurm
+    would mark it DOWN, SlurmdTimeout 30 s) or 45 s later (after). Rank 0 fails (exit 1), srun keeps waiting for
+    node2's lost task, the script's watchdog ends srun STEP_GRACE_S later, the job requeues (and waits for node2),
+    resumes from the newest checkpoint and ends COMPLETED with every step done and the uninterrupted run's loss at
+    every step."""
     job_id = sbatch(tmp_path, "a", "STEP_GRACE_S=5")
     metrics = tmp_path / "a" / "metrics.jsonl"
     t0 = time.monotonic()
@@ -106,7 +108,7 @@ def test_a_node_that_dies_and_comes_back_costs_a_requeue_not_the_run(tmp_path, r
     try:
         subprocess.run([*SLURM_LOCAL, "crash", "2"], env=ENV, check=True, capture_output=True, timeout=60)
     finally:
-        time.sleep(5)
+        time.sleep(absence_s)
         subprocess.run([*SLURM_LOCAL, "revive", "2"], env=ENV, check=True, capture_output=True, timeout=60)
     state = wait_for_end(job_id, 300)
     log = slurm_log(tmp_path, job_id)
