@@ -152,3 +152,38 @@ def test_usr1_before_the_time_limit_saves_on_both_nodes_and_requeues(tmp_path, r
     step = int(stopped[0].split("at step ")[1].split()[0])
     assert f"resumed from {tmp_path / 'a' / 'checkpoints' / f'step-{step}'}" in log, log[-3000:]
     assert losses(tmp_path / "a") == reference
+
+
+def test_sweep_array_points_span_two_nodes(tmp_path):
+    """Issue 29: ``sweep run --slurm --nodes 2`` runs each array point as one job on two nodes (one launcher per
+    node, rendezvous on the first); the points finish and collect to the table of ``run --local --nproc 2``."""
+    from tests.test_sweep import BASE, TINY, read_csv, write
+    from tests.test_sweep import cli as sweep
+
+    path = write(tmp_path, f'base = "{BASE}"\nname = "d{{model.dim}}"\n{TINY}\n[grid]\nmodel.dim = [16, 32]\n')
+    env = {"SLURM_CONF": str(CONF)}
+    for mode in ("local", "slurm"):
+        assert sweep("plan", str(path), "--out", mode, cwd=tmp_path, env=env).returncode == 0
+    assert sweep("run", "local", "--local", "--nproc", "2", cwd=tmp_path, env=env).returncode == 0
+    proc = sweep("run", "slurm", "--slurm", "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-task", "1",
+                 cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.split("Submitted batch job")[1].split()[0]
+    t0 = time.monotonic()
+    while subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, env=ENV).stdout.strip():
+        assert time.monotonic() - t0 < 300, f"job array {job_id} still queued or running after 300 s"
+        time.sleep(1)
+    status = sweep("status", "slurm", cwd=tmp_path, env=env).stdout.splitlines()
+    assert status[-1] == "2 done", status
+    logs = "".join(p.read_text() for p in (tmp_path / "slurm" / "points").rglob("*.log"))
+    assert logs.count("hosts: node1 rank 0 | node2 rank 1") == 2, logs[-3000:]
+    for mode in ("local", "slurm"):
+        assert sweep("collect", mode, cwd=tmp_path, env=env).returncode == 0
+    local, slurm = (read_csv(tmp_path / mode / "results.csv") for mode in ("local", "slurm"))
+    assert len(local) == 2 and [list(r) for r in slurm] == [list(r) for r in local]
+    for a, b in zip(slurm, local):
+        for col in set(a) - {"wall_s", "tokens_per_s"}:
+            try:
+                assert float(a[col]) == pytest.approx(float(b[col]), rel=1e-6), col
+            except ValueError:
+                assert a[col] == b[col], col
