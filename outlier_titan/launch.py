@@ -10,6 +10,9 @@ finish their step, checkpoint and exit 75 ("stopped, resumable", ``outlier_titan
   request and resumable, 2 user error (the one-line ``error:`` of whichever rank hit it, last on the console),
   3 diverged, 1 failure (a rank died or was killed, a save failed not by the user: never 2), 130 after a second
   Ctrl-C;
+- on several hosts, points gloo at the network interface that routes to the rendezvous host (``GLOO_SOCKET_IFNAME``,
+  unless set): gloo otherwise binds to the address its host name resolves to, which Debian's default hosts line
+  (``127.0.1.1 <host>``) makes loopback, and the peers on other hosts then connect to their own loopback;
 - writes that code to ``$OUTLIER_TITAN_EXIT_FILE.node<SLURM_NODEID>`` when the variable is set, so
   ``scripts/multinode.slurm`` can tell that its node's launcher has ended while ``srun`` still waits for a task on
   a node that died (see its watchdog).
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import struct
 import sys
 import threading
 
@@ -99,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import tempfile
 
+    host = _rendezvous_host(argv)
+    if host and "GLOO_SOCKET_IFNAME" not in os.environ and (ifname := gloo_interface(host)):
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
     error_dir = tempfile.mkdtemp(prefix="outlier_titan-errors-")
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ[ERROR_DIR_ENV] = error_dir
@@ -125,6 +133,43 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(error_dir, ignore_errors=True)
     _write_exit_file(code)
     return code
+
+
+def _rendezvous_host(argv: list[str]) -> str | None:
+    """The rendezvous (or master) host of a multi-host torchrun command line; None for --standalone."""
+    if "--standalone" in argv:
+        return None
+    for i, a in enumerate(argv):
+        key, _, value = a.partition("=")
+        if key.replace("_", "-") in ("--rdzv-endpoint", "--master-addr"):
+            value = value or (argv[i + 1] if i + 1 < len(argv) else "")
+            host = value.rsplit(":", 1)[0] if key.replace("_", "-") == "--rdzv-endpoint" else value
+            return host.strip("[]") or None
+    return None
+
+
+def _ipv4_of(interface: str) -> str | None:
+    import fcntl
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:  # SIOCGIFADDR
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def gloo_interface(host: str) -> str | None:
+    """The name of the interface this host reaches ``host`` through (no packet is sent), if not loopback."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    if local.startswith("127."):
+        return None
+    return next((name for _, name in socket.if_nameindex() if _ipv4_of(name) == local), None)
 
 
 def _write_exit_file(code: int) -> None:

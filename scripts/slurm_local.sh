@@ -251,7 +251,10 @@ stop_nodes() {
 
 start_slurmd() { # node K's slurmd, inside its namespaces (the hostname picks its NodeName)
   mkdir -p "$NDIR/spool/node$1"
-  SLURM_CONF=$NCONF unshare --mount --uts -- sh -c "mount --bind $NDIR/hosts /etc/hosts && hostname node$1 && exec nsenter --net=/run/netns/otnode$1 slurmd -f $NCONF" \
+  # Debian's default line first, as on a real Debian node: `127.0.1.1 nodeK` makes the node's own name resolve to
+  # loopback, which the rendezvous and gloo must not be fooled by
+  { echo "127.0.1.1 node$1"; cat "$NDIR/hosts"; } >"$NDIR/hosts.node$1"
+  SLURM_CONF=$NCONF unshare --mount --uts -- sh -c "mount --bind $NDIR/hosts.node$1 /etc/hosts && hostname node$1 && exec nsenter --net=/run/netns/otnode$1 slurmd -f $NCONF" \
     || die "slurmd of node$1 did not start; see $NDIR/slurmd-node$1.log"
 }
 

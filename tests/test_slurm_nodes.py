@@ -89,6 +89,9 @@ def test_two_nodes_one_rank_each_equal_the_standalone_launcher(tmp_path, referen
     assert "hosts: node1 rank 0 | node2 rank 1" in log, log[-3000:]
     assert "rendezvous=10.77.0.11:" in log, log[-3000:]
     assert losses(tmp_path / "a") == reference
+    # each node's hosts file starts with Debian's default line (the node's own name -> loopback), which the
+    # rendezvous address and gloo's interface (outlier_titan.launch sets GLOO_SOCKET_IFNAME) must not follow
+    assert (CONF.parent / "hosts.node1").read_text().splitlines()[0] == "127.0.1.1 node1"
 
 
 @pytest.mark.parametrize("absence_s", [5, 45])
