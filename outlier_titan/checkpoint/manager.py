@@ -40,8 +40,7 @@ from outlier_titan.checkpoint import integrity
 from outlier_titan.checkpoint.run_folder import on_rank0
 from outlier_titan.config.job_config import Optimizer as OptimizerConfig
 from outlier_titan.errors import CheckpointError, RunFailure
-from outlier_titan.optim import builder as _builtin_optimizers  # noqa: F401  (registers the built-ins)
-from outlier_titan.optim.registry import get_optimizer
+from outlier_titan.optim.builder import get_optimizer  # the registry, with the built-ins registered
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 

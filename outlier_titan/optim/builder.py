@@ -13,7 +13,9 @@ import torch.nn as nn
 from outlier_titan.config.job_config import Optimizer as OptimizerConfig
 from outlier_titan.optim.muon import build_muon, plan_muon_state
 from outlier_titan.optim.params import trainable_params
-from outlier_titan.optim.registry import get_optimizer, register_optimizer
+from outlier_titan.optim.registry import get_optimizer, optimizer_names, register_optimizer
+
+__all__ = ["build_optimizer", "build_param_groups", "get_optimizer", "optimizer_names", "register_optimizer"]
 from outlier_titan.optim.tile_optimizers import TILE_LAYOUT_KEYS, build_orthoadam, build_soap
 
 

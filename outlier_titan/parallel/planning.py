@@ -20,8 +20,7 @@ from outlier_titan.config.manager import ConfigError
 from outlier_titan.data.sources import tokenizer_mismatch
 from outlier_titan.data.tokenizer import planning_vocab
 from outlier_titan.models.registry import count_params, flops_per_token, model_args
-from outlier_titan.optim import builder as _builtin_optimizers  # noqa: F401  (registers the built-ins)
-from outlier_titan.optim.registry import get_optimizer
+from outlier_titan.optim.builder import get_optimizer  # the registry, with the built-ins registered
 from outlier_titan.parallel.dims import ParallelDims
 from outlier_titan.parallel.parallelize import parallelize
 
