@@ -101,3 +101,33 @@ def test_toy_optimizer_trains_plans_and_guards_its_layout(monkeypatch, tmp_path,
     assert _run(monkeypatch, tmp_path / "bad", "--optimizer.name", "nope") == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "'nope' is not allowed; choose one of: adamw, adam, sgd" in err and err.endswith("signsgd"), err
+
+
+def _toml(**optimizer) -> str:
+    return "[optimizer]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in optimizer.items())  # TOML here
+
+
+@pytest.mark.parametrize("saved, current, key, why", [
+    (dict(name="orthoadam", tile_size=32), dict(name="orthoadam", tile_size=64), "optimizer.tile_size",
+     "the orthoadam optimizer state layout differs"),
+    (dict(name="orthoadam", shard_tile_size=8), dict(name="orthoadam", shard_tile_size=16),
+     "optimizer.shard_tile_size", "the orthoadam optimizer state layout differs"),
+    (dict(name="soap", max_shards=4), dict(name="soap", max_shards=8), "optimizer.max_shards",
+     "the soap optimizer state layout differs"),
+    (dict(name="soap", soap_factor_dtype="float64"), dict(name="soap", soap_factor_dtype="float32"),
+     "optimizer.soap_factor_dtype", "the soap optimizer state layout differs"),
+    (dict(name="adamw", no_decay=["norm"]), dict(name="adamw", no_decay=["norm", "bias"]), "optimizer.no_decay",
+     "the adamw optimizer state layout differs"),
+    (dict(name="adamw"), dict(name="soap"), "optimizer.name", "the optimizer state differs"),
+    # keys an optimizer does not use leave its state alone
+    (dict(name="adamw", tile_size=32), dict(name="adamw", tile_size=64), "optimizer.tile_size", None),
+    (dict(name="soap", basis="haar"), dict(name="soap", basis="hadamard"), "optimizer.basis", None),
+    (dict(name="muon", muon_layout="full"), dict(name="muon", muon_layout="block"), "optimizer.muon_layout", None),
+    (dict(name="signsgd", momentum=True), dict(name="signsgd", momentum=False), "optimizer.momentum",
+     "the signsgd optimizer state layout differs"),
+])
+def test_resume_check_reads_the_layout_keys_of_the_registration(saved, current, key, why):
+    from outlier_titan.checkpoint.manager import config_changes
+
+    changes = {k: w for k, _, _, w in config_changes(_toml(**saved), _toml(**current))}
+    assert changes[key] == why
