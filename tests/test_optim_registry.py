@@ -131,3 +131,10 @@ def test_resume_check_reads_the_layout_keys_of_the_registration(saved, current, 
 
     changes = {k: w for k, _, _, w in config_changes(_toml(**saved), _toml(**current))}
     assert changes[key] == why
+
+
+def test_dry_run_applies_the_registration_s_validation():
+    cfg = parse_args(["--config", str(REPO / "train_configs/debug.toml"), "--parallelism.dp_shard", "1",
+                      "--optimizer.name", "signsgd", "--optimizer.lr", "0.5"])
+    with pytest.raises(UserError, match=r"signsgd: optimizer.lr must be <= 0.1, got 0.5"):
+        plan(cfg)

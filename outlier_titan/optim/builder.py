@@ -13,9 +13,10 @@ import torch.nn as nn
 from outlier_titan.config.job_config import Optimizer as OptimizerConfig
 from outlier_titan.optim.muon import build_muon, plan_muon_state
 from outlier_titan.optim.params import trainable_params
-from outlier_titan.optim.registry import get_optimizer, optimizer_names, register_optimizer
+from outlier_titan.optim.registry import OptimizerSpec, get_optimizer, optimizer_names, register_optimizer
 
-__all__ = ["build_optimizer", "build_param_groups", "get_optimizer", "optimizer_names", "register_optimizer"]
+__all__ = ["build_optimizer", "build_param_groups", "checked_optimizer", "get_optimizer", "optimizer_names",
+           "register_optimizer"]
 from outlier_titan.optim.tile_optimizers import TILE_LAYOUT_KEYS, build_orthoadam, build_soap
 
 
@@ -68,11 +69,17 @@ register_optimizer("soap", build_soap, state_bytes=_soap_state_bytes,
 register_optimizer("muon", build_muon, state_bytes=8, takes_model=True, plan_state=plan_muon_state)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, seed: int) -> torch.optim.Optimizer:
-    """Builds the configured optimizer over the model's (possibly DTensor) parameters."""
+def checked_optimizer(cfg: OptimizerConfig) -> OptimizerSpec:
+    """The configured optimizer's registration, after its own validation of the config (a ``UserError``)."""
     spec = get_optimizer(cfg.name)
     if spec.validate is not None:
         spec.validate(cfg)
+    return spec
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, seed: int) -> torch.optim.Optimizer:
+    """Builds the configured optimizer over the model's (possibly DTensor) parameters."""
+    spec = checked_optimizer(cfg)
     if spec.takes_model:
         return spec.factory(model, cfg, seed)
     return spec.factory(build_param_groups(model, cfg), cfg, seed)

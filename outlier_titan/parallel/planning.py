@@ -20,7 +20,7 @@ from outlier_titan.config.manager import ConfigError
 from outlier_titan.data.sources import tokenizer_mismatch
 from outlier_titan.data.tokenizer import planning_vocab
 from outlier_titan.models.registry import count_params, flops_per_token, model_args
-from outlier_titan.optim.builder import get_optimizer  # the registry, with the built-ins registered
+from outlier_titan.optim.builder import checked_optimizer
 from outlier_titan.parallel.dims import ParallelDims
 from outlier_titan.parallel.parallelize import parallelize
 
@@ -76,6 +76,7 @@ def plan(cfg: JobConfig) -> Plan:
     p = cfg.parallelism
     if p.dp_shard == -1:
         raise ConfigError("--dry_run needs an explicit parallelism.dp_shard (the world size comes from the degrees)")
+    optim_spec = checked_optimizer(cfg.optimizer)
     world = p.dp_replicate * p.dp_shard * p.tp
     dims = ParallelDims.from_config(p, world)
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -104,9 +105,6 @@ def plan(cfg: JobConfig) -> Plan:
             local += (p_.to_local() if isinstance(p_, DTensor) else p_).numel()
         for block in model.layers.values():
             largest_block = max(largest_block, sum(q.numel() for q in block.parameters()))
-        optim_spec = get_optimizer(cfg.optimizer.name)
-        if optim_spec.validate is not None:
-            optim_spec.validate(cfg.optimizer)
         if optim_spec.plan_state is not None:
             split, optimizer_bytes = optim_spec.plan_state(model, cfg.optimizer)
         else:
