@@ -68,6 +68,10 @@ def test_registered_names_are_the_config_choices():
         register_optimizer("adamw", _signsgd, state_bytes=8)
     with pytest.raises(UserError, match="not_a_key"):
         register_optimizer("toy2", _signsgd, state_bytes=8, layout_keys=("not_a_key",))
+    with pytest.raises(UserError, match="pass one of state_bytes"):
+        register_optimizer("toy2", _signsgd)
+    with pytest.raises(UserError, match="state_bytes must be a number >= 0"):
+        register_optimizer("toy2", _signsgd, state_bytes=-1)
     assert "toy2" not in optimizer_names()
 
 

@@ -347,6 +347,8 @@ BREAKING = {
     **{f"lr_scheduler.{k}": "the LR schedule changes mid-run" for k in (
         "warmup_steps", "decay", "decay_ratio", "min_lr_ratio")},
 }
+
+
 def optimizer_breaking(saved: dict, current: dict) -> dict[str, str]:
     """``optimizer.KEY`` -> why, for the layout keys the checkpoint's optimizer registered (``optim/registry.py``);
     with another optimizer name the change of ``optimizer.name`` already breaks the run."""

@@ -14,10 +14,10 @@ from outlier_titan.config.job_config import Optimizer as OptimizerConfig
 from outlier_titan.optim.muon import build_muon, plan_muon_state
 from outlier_titan.optim.params import trainable_params
 from outlier_titan.optim.registry import OptimizerSpec, get_optimizer, optimizer_names, register_optimizer
+from outlier_titan.optim.tile_optimizers import TILE_LAYOUT_KEYS, build_orthoadam, build_soap
 
 __all__ = ["build_optimizer", "build_param_groups", "checked_optimizer", "get_optimizer", "optimizer_names",
            "register_optimizer"]
-from outlier_titan.optim.tile_optimizers import TILE_LAYOUT_KEYS, build_orthoadam, build_soap
 
 
 def build_param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
@@ -66,7 +66,7 @@ register_optimizer("soap", build_soap, state_bytes=_soap_state_bytes,
                    layout_keys=(*TILE_LAYOUT_KEYS, "soap_factor_dtype"))
 # Muon's state is a momentum buffer beside each shard whatever muon_layout, so no muon_* key changes its layout; the
 # Muon / AdamW split follows the model and no_decay (common to every optimizer).
-register_optimizer("muon", build_muon, state_bytes=8, takes_model=True, plan_state=plan_muon_state)
+register_optimizer("muon", build_muon, takes_model=True, plan_state=plan_muon_state)
 
 
 def checked_optimizer(cfg: OptimizerConfig) -> OptimizerSpec:

@@ -29,16 +29,17 @@ class OptimizerSpec:
     name: str
     factory: Callable[..., Any]
     """``(param_groups, cfg, seed) -> Optimizer``, or ``(model, cfg, seed)`` when ``takes_model``."""
-    state_bytes: StateBytes
-    """Optimizer-state bytes per parameter element (a number or a function of the optimizer config)."""
+    state_bytes: StateBytes | None
+    """Optimizer-state bytes per parameter element (a number or a function of the optimizer config); None when
+    ``plan_state`` counts them."""
     layout_keys: tuple[str, ...] = ()
     """``optimizer.*`` keys (besides ``name`` and ``no_decay``) whose change breaks a resume."""
     validate: Callable[[OptimizerConfig], None] | None = None
     takes_model: bool = False
     """The factory splits the model's parameters itself (Muon: hidden matrices vs the rest)."""
     plan_state: Callable[[Any, OptimizerConfig], tuple[str, float]] | None = None
-    """Dry run of a ``takes_model`` optimizer: (split summary line, this rank's state bytes) on the sharded meta
-    model, in place of ``state_bytes`` x local elements."""
+    """Dry run of an optimizer that counts its own state (Muon: its split): (summary line, this rank's state bytes)
+    on the sharded meta model, in place of ``state_bytes`` x local elements."""
 
     def bytes_per_element(self, cfg: OptimizerConfig) -> float:
         return float(self.state_bytes(cfg) if callable(self.state_bytes) else self.state_bytes)
@@ -51,12 +52,13 @@ _REGISTRY: dict[str, OptimizerSpec] = {}
 _FIELDS = {f.name for f in dataclasses.fields(OptimizerConfig)}
 
 
-def register_optimizer(name: str, factory: Callable[..., Any], *, state_bytes: StateBytes,
+def register_optimizer(name: str, factory: Callable[..., Any], *, state_bytes: StateBytes | None = None,
                        layout_keys: tuple[str, ...] | list[str] = (), validate: Callable | None = None,
                        takes_model: bool = False, plan_state: Callable | None = None,
                        replace: bool = False) -> OptimizerSpec:
-    """Makes ``name`` usable as ``optimizer.name`` (config, ``--help``, dry run, resume check). ``layout_keys`` are
-    fields of the ``[optimizer]`` section; ``replace`` allows registering a name again."""
+    """Makes ``name`` usable as ``optimizer.name`` (config, ``--help``, dry run, resume check). The dry run needs
+    ``state_bytes`` or ``plan_state``; ``layout_keys`` are fields of the ``[optimizer]`` section; ``replace``
+    allows registering a name again."""
     if not name or not name.replace("_", "").isalnum():
         raise UserError(f"optimizer name {name!r} must be letters, digits and underscores")
     if name in _REGISTRY and not replace:
@@ -65,7 +67,10 @@ def register_optimizer(name: str, factory: Callable[..., Any], *, state_bytes: S
     if unknown:
         raise UserError(f"optimizer {name!r}: layout key(s) {', '.join(unknown)} are not [optimizer] options; "
                         f"use field names of outlier_titan.config.job_config.Optimizer")
-    if not callable(state_bytes) and (not isinstance(state_bytes, (int, float)) or state_bytes < 0):
+    if (state_bytes is None) == (plan_state is None):
+        raise UserError(f"optimizer {name!r}: pass one of state_bytes (bytes per parameter element) or plan_state")
+    if not (state_bytes is None or callable(state_bytes)
+            or (isinstance(state_bytes, (int, float)) and state_bytes >= 0)):
         raise UserError(f"optimizer {name!r}: state_bytes must be a number >= 0 or a function of the config")
     spec = OptimizerSpec(name, factory, state_bytes, tuple(layout_keys), validate, takes_model, plan_state)
     _REGISTRY[name] = spec
