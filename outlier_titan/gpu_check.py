@@ -80,11 +80,10 @@ def attention_variants() -> tuple[str, list[str]]:
 
 
 def bench_optimizer_names() -> list[str]:
-    """AdamW first (the ratios' reference), then every optimizer.name choice that is not a plain torch one."""
-    from outlier_titan.config.job_config import Optimizer
+    """AdamW first (the ratios' reference), then every registered optimizer that is not a plain torch one."""
+    from outlier_titan.optim.builder import optimizer_names
 
-    choices = next(f for f in dataclasses.fields(Optimizer) if f.name == "name").metadata["choices"]
-    return ["adamw"] + [c for c in choices if c != "adamw" and c not in TORCH_OPTIMIZERS]
+    return ["adamw"] + [c for c in optimizer_names() if c != "adamw" and c not in TORCH_OPTIMIZERS]
 
 
 def plan(part: str, dry: bool) -> list[dict]:

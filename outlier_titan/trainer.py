@@ -36,7 +36,7 @@ from outlier_titan.hf.load import apply_initial_model, load_model_state
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import build_meta_model, count_params, flops_per_token
 from outlier_titan.observe.logger import MetricsLogger, Throughput, peak_memory_gib
-from outlier_titan.optim.builder import build_optimizer, build_param_groups
+from outlier_titan.optim.builder import build_optimizer, build_param_groups, checked_optimizer
 from outlier_titan.optim.tiles.base import TileAdamBase
 from outlier_titan.optim.tile_optimizers import check_tile_plans
 from outlier_titan.optim.lr_schedule import build_lr_scheduler
@@ -211,6 +211,7 @@ class Trainer:
     def _build(self, device_type: str) -> None:
         """Model (meta -> parallelize -> materialise), optimizer, LR schedule, checkpointer; writes nothing."""
         cfg = self.cfg
+        checked_optimizer(cfg.optimizer)  # a registered name and its own checks, before any model is built
         self.spec, self.args, self.model = build_meta_model(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
         self.n_params = count_params(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.training.seq_len)

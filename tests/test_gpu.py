@@ -10,7 +10,6 @@ tested without editing this file.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -22,6 +21,7 @@ from outlier_titan import gpu_check
 from outlier_titan.config.job_config import Model, Observe, Optimizer
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import model_args
+from outlier_titan.optim.builder import optimizer_names
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.observe.probe import OutlierProbe
 from tests.launch import TINY, train
@@ -30,7 +30,7 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch
                                                                          reason="needs a CUDA device")])
 DEVICES = ["cpu", CUDA]
 ATTENTION_KEY, ATTENTION_VARIANTS = gpu_check.attention_variants()
-OPTIMIZERS = next(f for f in dataclasses.fields(Optimizer) if f.name == "name").metadata["choices"]
+OPTIMIZERS = optimizer_names()
 
 # The SDPA kernel each fused attention variant runs on, as docs/gpu.md states: on CUDA the flash kernel (bf16,
 # head dim <= 256), on the CPU its flash kernel for the CPU. A variant missing here must make no SDPA call at

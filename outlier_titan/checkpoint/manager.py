@@ -38,7 +38,9 @@ from torch.distributed.tensor import DTensor
 
 from outlier_titan.checkpoint import integrity
 from outlier_titan.checkpoint.run_folder import on_rank0
+from outlier_titan.config.job_config import Optimizer as OptimizerConfig
 from outlier_titan.errors import CheckpointError, RunFailure
+from outlier_titan.optim.builder import get_optimizer  # the registry, with the built-ins registered
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -331,15 +333,10 @@ def _cpu_group():
 
 _GLOO = None
 
-# Settings whose change on resume breaks the run, with the reason (``model.*`` is checked as a section).
+# Settings whose change on resume breaks the run, with the reason (``model.*`` is checked as a section; the
+# ``optimizer.*`` keys other than ``name`` come from the optimizer's registration, ``optimizer_breaking``).
 BREAKING = {
     "optimizer.name": "the optimizer state differs",
-    **{f"optimizer.{k}": "the optimizer state layout differs" for k in (
-        "tile_size", "shard_tile_size", "max_shards", "tile_size_overrides", "tile_alignment", "basis",
-        "max_precond_dim", "vocab_axis", "one_d",
-        "soap_factor_dtype", "no_decay")},
-    # (no optimizer.muon_* key: Muon's state is a momentum buffer beside each shard whatever muon_layout, so a run
-    # may resume with another layout; the Muon / AdamW split follows the model and no_decay, both listed)
     "training.seq_len": "positions and data windows differ",
     "training.global_batch_size": "the data position and tokens per step differ",
     "training.seed": "the data order and OrthoAdam bases differ",
@@ -350,6 +347,18 @@ BREAKING = {
     **{f"lr_scheduler.{k}": "the LR schedule changes mid-run" for k in (
         "warmup_steps", "decay", "decay_ratio", "min_lr_ratio")},
 }
+
+
+def optimizer_breaking(saved: dict, current: dict) -> dict[str, str]:
+    """``optimizer.KEY`` -> why, for the layout keys the checkpoint's optimizer registered (``optim/registry.py``);
+    with another optimizer name the change of ``optimizer.name`` already breaks the run."""
+    name = saved.get("optimizer", {}).get("name", OptimizerConfig.name)
+    if name != current.get("optimizer", {}).get("name", OptimizerConfig.name):
+        return {}
+    spec = get_optimizer(name)
+    return {f"optimizer.{k}": f"the {name} optimizer state layout differs" for k in spec.breaking_keys()}
+
+
 IGNORED = {"checkpoint.load_step", "checkpoint.allow_config_change", "checkpoint.verify", "job.dry_run"}
 
 
@@ -362,6 +371,7 @@ def config_changes(saved_toml: str, current_toml: str, saved_meta: dict | None =
     from outlier_titan.config.manager import tomllib
 
     saved, current = tomllib.loads(saved_toml), tomllib.loads(current_toml)
+    breaking = {**BREAKING, **optimizer_breaking(saved, current)}
     out = []
     for section in sorted(set(saved) | set(current)):
         a, b = saved.get(section, {}), current.get(section, {})
@@ -369,7 +379,7 @@ def config_changes(saved_toml: str, current_toml: str, saved_meta: dict | None =
             name = f"{section}.{key}"
             if name in IGNORED or a.get(key) == b.get(key):
                 continue
-            why = "the model differs" if section == "model" else BREAKING.get(name)
+            why = "the model differs" if section == "model" else breaking.get(name)
             out.append((name, a.get(key), b.get(key), why))
 
     def schedule_length(cfg: dict) -> Any:

@@ -19,6 +19,33 @@ def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
     return field(default=default, metadata=meta)
 
 
+class RegisteredChoices:
+    """Allowed values that a registry fills at import time (``optimizer.name``: ``outlier_titan.optim.registry``).
+    Reads like a tuple; while empty (no registry imported) the config does not restrict the value, and the
+    registry's lookup names the registered ones."""
+
+    def __init__(self) -> None:
+        self._names: list[str] = []
+
+    def add(self, name: str) -> None:
+        self._names.append(name)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __repr__(self) -> str:
+        return repr(tuple(self._names))
+
+
+OPTIMIZER_NAMES = RegisteredChoices()
+
+
 @dataclass
 class Job:
     name: str = opt("debug", "Run name; the run folder is <dump_folder>/<name>.")
@@ -99,7 +126,7 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = opt("adamw", "Optimizer.", ("adamw", "adam", "sgd", "rmsprop", "orthoadam", "soap", "muon"))
+    name: str = opt("adamw", "Optimizer, one of the registered ones (outlier_titan.optim.registry).", OPTIMIZER_NAMES)
     lr: float = opt(3e-4, "Peak learning rate.")
     beta1: float = opt(0.9, "Adam beta1 (SGD/RMSProp: momentum).")
     beta2: float = opt(0.95, "Adam beta2 (RMSProp: alpha).")

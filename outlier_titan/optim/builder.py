@@ -1,4 +1,5 @@
-"""Optimizer builder: parameter groups by class (decay / no decay), then an optimizer from a registry.
+"""Optimizer builder: parameter groups by class (decay / no decay), the built-in optimizers' registrations, and
+the optimizer named by the config, built from the registry (``optim/registry.py``).
 
 Parameters are classified by their module and name, never by their order, so groups are the same at any
 world size. Each group carries ``names`` (the parameters' FQNs), which FQN-seeded optimizers rely on.
@@ -6,15 +7,18 @@ world size. Each group carries ``names`` (the parameters' FQNs), which FQN-seede
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn as nn
 
 from outlier_titan.config.job_config import Optimizer as OptimizerConfig
-from outlier_titan.errors import UserError
+from outlier_titan.optim.muon import build_muon, plan_muon_state
 from outlier_titan.optim.params import trainable_params
-from outlier_titan.optim.tile_optimizers import build_orthoadam, build_soap
+from outlier_titan.optim.registry import OptimizerSpec, get_optimizer, optimizer_names, register_optimizer
+from outlier_titan.optim.tile_optimizers import TILE_LAYOUT_KEYS, build_orthoadam, build_soap
+
+__all__ = ["build_optimizer", "build_param_groups", "checked_optimizer", "get_optimizer", "optimizer_names",
+           "register_optimizer"]
+
 
 def build_param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     """Two groups, decay and no_decay, each with ``params`` and ``names`` (FQNs)."""
@@ -26,11 +30,6 @@ def build_param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     decay["weight_decay"] = cfg.weight_decay
     no_decay["weight_decay"] = 0.0
     return [g for g in (decay, no_decay) if g["params"]]
-
-
-
-
-OptimizerFactory = Callable[[list[dict], OptimizerConfig, int], torch.optim.Optimizer]
 
 
 def _adamw(groups, cfg, seed):
@@ -50,38 +49,37 @@ def _rmsprop(groups, cfg, seed):
     return torch.optim.RMSprop(groups, lr=cfg.lr, alpha=cfg.beta2, eps=cfg.eps, foreach=True)
 
 
-OPTIMIZERS: dict[str, OptimizerFactory] = {
-    "adamw": _adamw,
-    "adam": _adam,
-    "sgd": _sgd,
-    "rmsprop": _rmsprop,
-    "orthoadam": build_orthoadam,
-    "soap": build_soap,
-}
+def _soap_state_bytes(cfg: OptimizerConfig) -> float:
+    # m, v (fp32) + per t x t tile the factors L, R and bases Q_L, Q_R, each t x t: one value of each per element
+    # of a square tile (an upper bound: unrotated vocab axes carry no factor).
+    factor_bytes = 8 if cfg.soap_factor_dtype == "float64" else 4
+    return 8.0 + 2 * factor_bytes + 2 * 4
 
 
-ModelOptimizerFactory = Callable[[nn.Module, OptimizerConfig, int], torch.optim.Optimizer]
+# The built-ins, registered in one place. State bytes are fp32 values per parameter element.
+register_optimizer("adamw", _adamw, state_bytes=8)
+register_optimizer("adam", _adam, state_bytes=8)
+register_optimizer("sgd", _sgd, state_bytes=lambda cfg: 4.0 if cfg.momentum else 0.0)
+register_optimizer("rmsprop", _rmsprop, state_bytes=4)
+register_optimizer("orthoadam", build_orthoadam, state_bytes=8, layout_keys=(*TILE_LAYOUT_KEYS, "basis"))
+register_optimizer("soap", build_soap, state_bytes=_soap_state_bytes,
+                   layout_keys=(*TILE_LAYOUT_KEYS, "soap_factor_dtype"))
+# Muon's state is a momentum buffer beside each shard whatever muon_layout, so no muon_* key changes its layout; the
+# Muon / AdamW split follows the model and no_decay (common to every optimizer).
+register_optimizer("muon", build_muon, takes_model=True, plan_state=plan_muon_state)
 
 
-def _muon(model, cfg, seed):
-    from outlier_titan.optim.muon import build_muon
-    return build_muon(model, cfg, seed)
-
-
-MODEL_OPTIMIZERS: dict[str, ModelOptimizerFactory] = {"muon": _muon}
-"""Optimizers that split the model's parameters themselves (Muon: hidden matrices vs the rest)."""
-
-
-def register_optimizer(name: str, factory: OptimizerFactory) -> None:
-    """Adds an optimizer name usable as ``optimizer.name``."""
-    OPTIMIZERS[name] = factory
+def checked_optimizer(cfg: OptimizerConfig) -> OptimizerSpec:
+    """The configured optimizer's registration, after its own validation of the config (a ``UserError``)."""
+    spec = get_optimizer(cfg.name)
+    if spec.validate is not None:
+        spec.validate(cfg)
+    return spec
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, seed: int) -> torch.optim.Optimizer:
     """Builds the configured optimizer over the model's (possibly DTensor) parameters."""
-    if cfg.name in MODEL_OPTIMIZERS:
-        return MODEL_OPTIMIZERS[cfg.name](model, cfg, seed)
-    if cfg.name not in OPTIMIZERS:
-        raise UserError(f"optimizer.name = {cfg.name!r} is not available; choose one of: "
-                        f"{', '.join([*OPTIMIZERS, *MODEL_OPTIMIZERS])}")
-    return OPTIMIZERS[cfg.name](build_param_groups(model, cfg), cfg, seed)
+    spec = checked_optimizer(cfg)
+    if spec.takes_model:
+        return spec.factory(model, cfg, seed)
+    return spec.factory(build_param_groups(model, cfg), cfg, seed)

@@ -157,6 +157,16 @@ def muon_param_groups(model: nn.Module, cfg) -> list[dict]:
     return [g for g in (muon, decay, no_decay) if g["params"]]
 
 
+def plan_muon_state(model: nn.Module, cfg) -> tuple[str, float]:
+    """The dry run's Muon entry: the split line, and this rank's state bytes: an fp32 momentum buffer per Muon
+    element, AdamW's two fp32 moments per other element (the ``full`` layout's transient owner buffers are not
+    counted)."""
+    groups = muon_param_groups(model, cfg)
+    per = {"muon": 4, "adamw": 8}
+    total = sum(per[g["algorithm"]] * _local(p).numel() for g in groups for p in g["params"])
+    return split_summary(groups), float(total)
+
+
 def _coefficients(values) -> tuple[float, ...]:
     try:
         return tuple(float(c) for c in values)

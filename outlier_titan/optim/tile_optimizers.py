@@ -26,6 +26,10 @@ from outlier_titan.optim.tiles.plan import ParamPlan
 
 TILE_OPTIMIZERS: dict[str, type[TileAdamBase]] = {"orthoadam": OrthoAdam, "soap": SOAP}
 
+TILE_LAYOUT_KEYS = ("tile_size", "shard_tile_size", "max_shards", "tile_size_overrides", "tile_alignment",
+                    "max_precond_dim", "vocab_axis", "one_d")
+"""The engine options that change a tile optimizer's state layout (its registration's checkpoint layout keys)."""
+
 
 def engine_options(cfg: OptimizerConfig) -> EngineOptions:
     """Engine options from the config. The registry's optimizers are stepped by the trainer, which skips

@@ -20,14 +20,11 @@ from outlier_titan.config.manager import ConfigError
 from outlier_titan.data.sources import tokenizer_mismatch
 from outlier_titan.data.tokenizer import planning_vocab
 from outlier_titan.models.registry import count_params, flops_per_token, model_args
+from outlier_titan.optim.builder import checked_optimizer
 from outlier_titan.parallel.dims import ParallelDims
 from outlier_titan.parallel.parallelize import parallelize
 
 GiB = 2**30
-
-# fp32 optimizer-state bytes per parameter element.
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "orthoadam": 8, "rmsprop": 4, "sgd": 4}
-
 
 @dataclass
 class Plan:
@@ -48,30 +45,6 @@ class Plan:
     def total_bytes(self) -> float:
         return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
                 + self.gather_bytes)
-
-
-def _optimizer_bytes_per_element(cfg: JobConfig) -> float:
-    name = cfg.optimizer.name
-    if name == "sgd" and not cfg.optimizer.momentum:
-        return 0.0
-    if name == "soap":
-        # m, v (fp32) + per t x t tile the factors L, R and bases Q_L, Q_R, each t x t: one value of each per
-        # element of a square tile (an upper bound: unrotated vocab axes carry no factor).
-        factor_bytes = 8 if cfg.optimizer.soap_factor_dtype == "float64" else 4
-        return 8.0 + 2 * factor_bytes + 2 * 4
-    return OPTIMIZER_STATE_BYTES[name]
-
-
-def _muon_state(model, cfg: JobConfig) -> tuple[str, float]:
-    """Muon: the split line, and this rank's state bytes: an fp32 momentum buffer per Muon element, AdamW's two
-    fp32 moments per other element (the ``full`` layout's transient owner buffers are not counted)."""
-    from outlier_titan.optim.muon import muon_param_groups, split_summary
-
-    groups = muon_param_groups(model, cfg.optimizer)
-    per = {"muon": 4, "adamw": 8}
-    total = sum(per[g["algorithm"]] * (p.to_local() if isinstance(p, DTensor) else p).numel()
-                for g in groups for p in g["params"])
-    return split_summary(groups), float(total)
 
 
 def activation_bytes(cfg: JobConfig, dims: ParallelDims, n_layers: int, dim: int, n_heads: int,
@@ -103,6 +76,7 @@ def plan(cfg: JobConfig) -> Plan:
     p = cfg.parallelism
     if p.dp_shard == -1:
         raise ConfigError("--dry_run needs an explicit parallelism.dp_shard (the world size comes from the degrees)")
+    optim_spec = checked_optimizer(cfg.optimizer)
     world = p.dp_replicate * p.dp_shard * p.tp
     dims = ParallelDims.from_config(p, world)
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -131,10 +105,10 @@ def plan(cfg: JobConfig) -> Plan:
             local += (p_.to_local() if isinstance(p_, DTensor) else p_).numel()
         for block in model.layers.values():
             largest_block = max(largest_block, sum(q.numel() for q in block.parameters()))
-        if cfg.optimizer.name == "muon":
-            split, optimizer_bytes = _muon_state(model, cfg)
+        if optim_spec.plan_state is not None:
+            split, optimizer_bytes = optim_spec.plan_state(model, cfg.optimizer)
         else:
-            split, optimizer_bytes = "", _optimizer_bytes_per_element(cfg) * local
+            split, optimizer_bytes = "", optim_spec.bytes_per_element(cfg.optimizer) * local
     finally:
         dist.destroy_process_group()
     micro = cfg.training.micro_batch_size or cfg.training.global_batch_size // dims.dp

@@ -1,0 +1,91 @@
+"""The optimizer registry: each optimizer is registered once, with everything the rest of the stack needs to know.
+
+An entry holds (a) the factory, (b) the optimizer-state bytes per parameter element for the dry run (a number, or
+a function of the ``[optimizer]`` config), (c) the ``optimizer.*`` keys whose change makes a checkpoint's optimizer
+state unloadable, and (d) optional extra validation of the config. ``optimizer.name``'s choices and ``--help``, the
+dry run's state bytes (``parallel/planning.py``) and the resume check (``checkpoint/manager.py``) all read it.
+
+The built-ins register in ``optim/builder.py``; code outside the package calls :func:`register_optimizer` before
+the trainer parses its config (see ``outlier_titan/optim/README.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from outlier_titan.config.job_config import OPTIMIZER_NAMES, Optimizer as OptimizerConfig
+from outlier_titan.errors import UserError
+
+COMMON_LAYOUT_KEYS = ("no_decay",)
+"""Keys that change every optimizer's state layout: the decay / no-decay parameter groups."""
+
+StateBytes = float | Callable[[OptimizerConfig], float]
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    factory: Callable[..., Any]
+    """``(param_groups, cfg, seed) -> Optimizer``, or ``(model, cfg, seed)`` when ``takes_model``."""
+    state_bytes: StateBytes | None
+    """Optimizer-state bytes per parameter element (a number or a function of the optimizer config); None when
+    ``plan_state`` counts them."""
+    layout_keys: tuple[str, ...] = ()
+    """``optimizer.*`` keys (besides ``name`` and ``no_decay``) whose change breaks a resume."""
+    validate: Callable[[OptimizerConfig], None] | None = None
+    takes_model: bool = False
+    """The factory splits the model's parameters itself (Muon: hidden matrices vs the rest)."""
+    plan_state: Callable[[Any, OptimizerConfig], tuple[str, float]] | None = None
+    """Dry run of an optimizer that counts its own state (Muon: its split): (summary line, this rank's state bytes)
+    on the sharded meta model, in place of ``state_bytes`` x local elements."""
+
+    def bytes_per_element(self, cfg: OptimizerConfig) -> float:
+        return float(self.state_bytes(cfg) if callable(self.state_bytes) else self.state_bytes)
+
+    def breaking_keys(self) -> tuple[str, ...]:
+        return COMMON_LAYOUT_KEYS + self.layout_keys
+
+
+_REGISTRY: dict[str, OptimizerSpec] = {}
+_FIELDS = {f.name for f in dataclasses.fields(OptimizerConfig)}
+
+
+def register_optimizer(name: str, factory: Callable[..., Any], *, state_bytes: StateBytes | None = None,
+                       layout_keys: tuple[str, ...] | list[str] = (), validate: Callable | None = None,
+                       takes_model: bool = False, plan_state: Callable | None = None,
+                       replace: bool = False) -> OptimizerSpec:
+    """Makes ``name`` usable as ``optimizer.name`` (config, ``--help``, dry run, resume check). The dry run needs
+    ``state_bytes`` or ``plan_state``; ``layout_keys`` are fields of the ``[optimizer]`` section; ``replace``
+    allows registering a name again."""
+    if not name or not name.replace("_", "").isalnum():
+        raise UserError(f"optimizer name {name!r} must be letters, digits and underscores")
+    if name in _REGISTRY and not replace:
+        raise UserError(f"optimizer {name!r} is already registered; pick another name or pass replace=True")
+    unknown = [k for k in layout_keys if k not in _FIELDS]
+    if unknown:
+        raise UserError(f"optimizer {name!r}: layout key(s) {', '.join(unknown)} are not [optimizer] options; "
+                        f"use field names of outlier_titan.config.job_config.Optimizer")
+    if (state_bytes is None) == (plan_state is None):
+        raise UserError(f"optimizer {name!r}: pass one of state_bytes (bytes per parameter element) or plan_state")
+    if not (state_bytes is None or callable(state_bytes)
+            or (isinstance(state_bytes, (int, float)) and state_bytes >= 0)):
+        raise UserError(f"optimizer {name!r}: state_bytes must be a number >= 0 or a function of the config")
+    spec = OptimizerSpec(name, factory, state_bytes, tuple(layout_keys), validate, takes_model, plan_state)
+    _REGISTRY[name] = spec
+    if name not in OPTIMIZER_NAMES:
+        OPTIMIZER_NAMES.add(name)
+    return spec
+
+
+def get_optimizer(name: str) -> OptimizerSpec:
+    """The registered entry; an unknown name is a one-line error listing the registered ones."""
+    if name not in _REGISTRY:
+        raise UserError(f"optimizer.name = {name!r} is not registered; choose one of: {', '.join(_REGISTRY)} "
+                        "(or register it with outlier_titan.optim.registry.register_optimizer)")
+    return _REGISTRY[name]
+
+
+def optimizer_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)

@@ -1,0 +1,144 @@
+"""The optimizer registry from outside the package: a toy optimizer (signSGD with momentum, Bernstein et al. 2018,
+arXiv 1802.04434) registered here trains through the trainer's entry point, the dry run reports its state bytes,
+and a checkpoint saved with it refuses a resume after one of its layout keys changed. No edit outside this file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from outlier_titan.config.job_config import OPTIMIZER_NAMES
+from outlier_titan.config.manager import parse_args
+from outlier_titan.errors import UserError
+from outlier_titan.optim.registry import get_optimizer, optimizer_names, register_optimizer
+from outlier_titan.parallel.dims import free_port
+from outlier_titan.parallel.planning import plan
+from outlier_titan.trainer import main as train_main
+from tests.launch import REPO, TINY
+
+
+class SignSGD(torch.optim.Optimizer):
+    """p <- p (1 - lr wd) - lr sign(m), m <- beta m + (1 - beta) g (no buffer when momentum is off)."""
+
+    def __init__(self, params, lr: float, beta: float, momentum: bool):
+        super().__init__(params, dict(lr=lr, beta=beta, momentum=momentum, weight_decay=0.0))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                if group["momentum"]:
+                    m = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                    g = m.mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
+                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(g.sign(), alpha=-group["lr"])
+
+
+def _signsgd(groups, cfg, seed):
+    return SignSGD(groups, lr=cfg.lr, beta=cfg.beta1, momentum=cfg.momentum)
+
+
+def _check(cfg):
+    if cfg.lr > 0.1:
+        raise UserError(f"signsgd: optimizer.lr must be <= 0.1, got {cfg.lr}")
+
+
+register_optimizer("signsgd", _signsgd, state_bytes=lambda cfg: 4.0 if cfg.momentum else 0.0,
+                   layout_keys=("momentum",), validate=_check, replace=True)
+
+
+def _run(monkeypatch, tmp_path, *overrides: str) -> int:
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)
+    return train_main(["--config", str(REPO / "train_configs/debug.toml"), *TINY, "--job.dump_folder", str(tmp_path),
+                       "--job.name", "run", "--optimizer.name", "signsgd", "--optimizer.lr", "3e-3", *overrides])
+
+
+def test_registered_names_are_the_config_choices():
+    assert {"adamw", "adam", "sgd", "rmsprop", "orthoadam", "soap", "muon", "signsgd"} <= set(optimizer_names())
+    assert tuple(OPTIMIZER_NAMES) == optimizer_names()
+    with pytest.raises(UserError, match=r"'nope' is not registered; choose one of: adamw, .*signsgd"):
+        get_optimizer("nope")
+    with pytest.raises(UserError, match="already registered"):
+        register_optimizer("adamw", _signsgd, state_bytes=8)
+    with pytest.raises(UserError, match="not_a_key"):
+        register_optimizer("toy2", _signsgd, state_bytes=8, layout_keys=("not_a_key",))
+    with pytest.raises(UserError, match="pass one of state_bytes"):
+        register_optimizer("toy2", _signsgd)
+    with pytest.raises(UserError, match="state_bytes must be a number >= 0"):
+        register_optimizer("toy2", _signsgd, state_bytes=-1)
+    assert "toy2" not in optimizer_names()
+
+
+def test_toy_optimizer_trains_plans_and_guards_its_layout(monkeypatch, tmp_path, capsys):
+    # trains: the loss falls over 8 steps
+    assert _run(monkeypatch, tmp_path, "--training.steps", "8", "--checkpoint.enable", "true",
+                "--checkpoint.interval", "4") == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses
+    capsys.readouterr()
+
+    # the dry run: printed under the toy's name; 4 bytes per element with momentum, none without
+    assert _run(monkeypatch, tmp_path / "dry", "--job.dry_run", "true", "--parallelism.dp_shard", "1") == 0
+    assert "optimizer state (signsgd)" in capsys.readouterr().out
+    for momentum, per_element in ((True, 4), (False, 0)):
+        cfg = parse_args(["--config", str(REPO / "train_configs/debug.toml"), "--parallelism.dp_shard", "1",
+                          "--optimizer.name", "signsgd", "--optimizer.momentum", str(momentum).lower()])
+        pl = plan(cfg)
+        assert pl.optimizer_bytes == per_element * pl.local_params > 0 or per_element == pl.optimizer_bytes == 0
+
+    # a declared layout key changed: the resume is refused, one line naming the key
+    assert _run(monkeypatch, tmp_path, "--training.steps", "12", "--lr_scheduler.total_steps", "8",
+                "--checkpoint.enable", "true", "--optimizer.momentum", "false") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "optimizer.momentum True -> False (the signsgd optimizer state layout differs)" in err, err
+
+    # extra validation, and an unknown name listing the registered ones
+    assert _run(monkeypatch, tmp_path / "bad", "--optimizer.lr", "0.5") == 2
+    assert "signsgd: optimizer.lr must be <= 0.1, got 0.5" in capsys.readouterr().err
+    assert _run(monkeypatch, tmp_path / "bad", "--optimizer.name", "nope") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "'nope' is not allowed; choose one of: adamw, adam, sgd" in err and err.endswith("signsgd"), err
+
+
+def _toml(**optimizer) -> str:
+    return "[optimizer]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in optimizer.items())  # TOML here
+
+
+@pytest.mark.parametrize("saved, current, key, why", [
+    (dict(name="orthoadam", tile_size=32), dict(name="orthoadam", tile_size=64), "optimizer.tile_size",
+     "the orthoadam optimizer state layout differs"),
+    (dict(name="orthoadam", shard_tile_size=8), dict(name="orthoadam", shard_tile_size=16),
+     "optimizer.shard_tile_size", "the orthoadam optimizer state layout differs"),
+    (dict(name="soap", max_shards=4), dict(name="soap", max_shards=8), "optimizer.max_shards",
+     "the soap optimizer state layout differs"),
+    (dict(name="soap", soap_factor_dtype="float64"), dict(name="soap", soap_factor_dtype="float32"),
+     "optimizer.soap_factor_dtype", "the soap optimizer state layout differs"),
+    (dict(name="adamw", no_decay=["norm"]), dict(name="adamw", no_decay=["norm", "bias"]), "optimizer.no_decay",
+     "the adamw optimizer state layout differs"),
+    (dict(name="adamw"), dict(name="soap"), "optimizer.name", "the optimizer state differs"),
+    # keys an optimizer does not use leave its state alone
+    (dict(name="adamw", tile_size=32), dict(name="adamw", tile_size=64), "optimizer.tile_size", None),
+    (dict(name="soap", basis="haar"), dict(name="soap", basis="hadamard"), "optimizer.basis", None),
+    (dict(name="muon", muon_layout="full"), dict(name="muon", muon_layout="block"), "optimizer.muon_layout", None),
+    (dict(name="signsgd", momentum=True), dict(name="signsgd", momentum=False), "optimizer.momentum",
+     "the signsgd optimizer state layout differs"),
+])
+def test_resume_check_reads_the_layout_keys_of_the_registration(saved, current, key, why):
+    from outlier_titan.checkpoint.manager import config_changes
+
+    changes = {k: w for k, _, _, w in config_changes(_toml(**saved), _toml(**current))}
+    assert changes[key] == why
+
+
+def test_dry_run_applies_the_registration_s_validation():
+    cfg = parse_args(["--config", str(REPO / "train_configs/debug.toml"), "--parallelism.dp_shard", "1",
+                      "--optimizer.name", "signsgd", "--optimizer.lr", "0.5"])
+    with pytest.raises(UserError, match=r"signsgd: optimizer.lr must be <= 0.1, got 0.5"):
+        plan(cfg)
