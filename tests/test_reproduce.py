@@ -187,6 +187,26 @@ def test_verdicts_are_decided_by_the_spread_over_seeds():
     assert claims_he(_he_rows([50, 52, 48], [5, 5.5, 4.5], [30, 28, 33], [1, 1, 1])[:1])[0][1] == "not determined"
 
 
+def _franke_groups(speedups):
+    rows = []
+    for seed, sp in enumerate(speedups):
+        rows.append({"point": f"gptplus_s{seed}", "seed": seed, "model.name": "pre_ln", "final_val_loss": 4.0,
+                     "speedup": 1.0})
+        rows.append({"point": f"angpt_s{seed}", "seed": seed, "model.name": "angpt", "final_val_loss": 4.1,
+                     "speedup": sp})
+    return aggregate(rows, ["model.name", "seed"])
+
+
+def test_franke_seeds_that_never_reach_the_target_are_not_dropped():
+    from outlier_titan.study.reproduce import claims_franke
+
+    assert claims_franke(_franke_groups([1.5, 1.6, 1.4]))[0][1] == "reproduced"
+    # one seed never reaches GPT+'s loss: its speed-up is below 1; dropping it would leave a clean 1.5 ± 0.07
+    (_, verdict, detail), = claims_franke(_franke_groups([1.5, 1.6, None]))
+    assert verdict == "inconclusive at this scale" and "1 of 3 seeds never reached" in detail
+    assert claims_franke(_franke_groups([None, None, None]))[0][1] == "not reproduced"
+
+
 def test_aggregate_gives_mean_and_sample_sd_per_setting_in_seed_order():
     groups = _he_rows([1.0, 2.0, 3.0], [4.0, 4.0, 4.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
     assert [g["point"] for g in groups] == ["pre_ln_adamw", "op_soap"] and groups[0]["seeds"] == [0, 1, 2]
