@@ -341,3 +341,17 @@ def test_unknown_option_for_a_spec_is_a_config_error():
         model_args(ModelConfig(name="angpt", block="op"), 4096, 64)
     with pytest.raises(ConfigError):
         model_args(ModelConfig(name="op", lerp_form="printed"), 4096, 64)
+
+
+def test_an_option_of_another_spec_is_one_line_naming_its_spec():
+    from outlier_titan.config.job_config import Model as ModelConfig
+    from outlier_titan.config.manager import ConfigError
+    from outlier_titan.models.registry import model_args
+
+    with pytest.raises(ConfigError) as err:
+        model_args(ModelConfig(name="pre_ln", block="op"), 256, 64)
+    msg = str(err.value)
+    assert "\n" not in msg and "model.block is not an option of model spec 'pre_ln'" in msg
+    assert "it is an option of 'op'" in msg
+    with pytest.raises(ConfigError, match="it is an option of 'op', 'pre_ln'"):
+        model_args(ModelConfig(name="angpt", attention_sink_init=0.5), 256, 64)

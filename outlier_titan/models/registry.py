@@ -69,8 +69,11 @@ def model_args(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[M
         if v is None:
             continue
         if f.name not in arg_names:
-            raise ConfigError(f"model.{f.name} is not an option of model spec '{spec.name}'; remove it "
-                              f"(options: {', '.join(sorted(arg_names & _model_keys()))})")
+            owners = _specs_with_option(f.name)
+            where = f"it is an option of {', '.join(repr(o) for o in owners)}; " if owners else ""
+            raise ConfigError(f"model.{f.name} is not an option of model spec '{spec.name}'; {where}remove it or "
+                              f"choose that spec (options of '{spec.name}': "
+                              f"{', '.join(sorted(arg_names & _model_keys()))})")
         values[f.name] = v
     if model_cfg.vocab_size is None and "vocab_size" in arg_names:
         values["vocab_size"] = pad_vocab(vocab_size)
@@ -95,6 +98,19 @@ def build_meta_model(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> t
     with torch.device("meta"):
         model = spec.build(args)
     return spec, args, model
+
+
+def _specs_with_option(name: str) -> list[str]:
+    """The built-in and registered specs whose args have the option ``name``."""
+    owners = []
+    for spec_name in sorted(set(_SPECS) | set(_BUILTIN)):
+        try:
+            spec = get_spec(spec_name)
+        except ConfigError:
+            continue
+        if name in {f.name for f in dataclasses.fields(spec.args_cls)}:
+            owners.append(spec_name)
+    return owners
 
 
 def _model_keys() -> set[str]:
