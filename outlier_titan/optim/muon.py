@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from outlier_titan.errors import UserError
+from outlier_titan.models.roles import ATTENTION_INPUT_WEIGHTS, EMBEDDING_LIKE_PARAMS, is_one_of
 from outlier_titan.optim.params import clean_fqn, trainable_params
 from outlier_titan.optim.tile_optimizers import engine_options
 from outlier_titan.optim.tiles.kernels import from_tiles, to_tiles
@@ -51,9 +52,6 @@ from outlier_titan.optim.tiles.shards import local_indices
 LAYOUTS = ("full", "block", "block_periodic")
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
-HEAD_WEIGHTS = ("wq", "wk", "wv")
-NON_MUON_MATRICES = ("output.weight", "pos_embeddings.weight", "tok_embeddings.weight")
-"""FQN suffixes of 2-D parameters that go to AdamW (embeddings and the output head)."""
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -109,7 +107,7 @@ def lr_scale(adjust_lr_fn: str, rows: int, cols: int) -> float:
 
 def is_muon_matrix(fqn: str, cls: str, p: torch.Tensor) -> bool:
     """A 2-D hidden matrix: a "matrix" parameter that is not an embedding or the output head."""
-    return cls == "matrix" and p.ndim == 2 and not any(fqn == s or fqn.endswith("." + s) for s in NON_MUON_MATRICES)
+    return cls == "matrix" and p.ndim == 2 and not is_one_of(fqn, EMBEDDING_LIKE_PARAMS)
 
 
 def head_dims(model: nn.Module) -> dict[str, int]:
@@ -119,7 +117,7 @@ def head_dims(model: nn.Module) -> dict[str, int]:
         hd = getattr(module, "head_dim", None)
         if not isinstance(hd, int):
             continue
-        for w in HEAD_WEIGHTS:
+        for w in ATTENTION_INPUT_WEIGHTS:
             lin = getattr(module, w, None)
             if isinstance(lin, nn.Module) and isinstance(getattr(lin, "weight", None), torch.Tensor):
                 out[clean_fqn(f"{name}.{w}.weight" if name else f"{w}.weight")] = hd

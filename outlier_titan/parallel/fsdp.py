@@ -18,15 +18,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-RESIDUAL_INPUT_WEIGHTS = ("wo", "w2")
+from outlier_titan.models.roles import writes_residual
 
 
 def shard_dim_for(fqn: str, param: nn.Parameter) -> int:
-    """The FSDP shard dim of a parameter, from its module name (see the module docstring)."""
-    parts = fqn.split(".")
-    if param.ndim == 2 and len(parts) >= 2 and parts[-2] in RESIDUAL_INPUT_WEIGHTS and parts[-1] == "weight":
-        return 1
-    return 0
+    """The FSDP shard dim of a parameter, from its role (see the module docstring)."""
+    return 1 if writes_residual(fqn, param.ndim) else 0
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,

@@ -22,13 +22,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from outlier_titan.errors import UserError
+from outlier_titan.models.roles import VOCAB_AXIS_PARAMS, is_one_of
 from outlier_titan.optim.bases import Basis, is_power_of_two
 from outlier_titan.optim.tiles.options import EngineOptions
 from outlier_titan.optim.tiles.shards import local_indices, shard_boundaries
 from outlier_titan.parallel.tensor_parallel import local
 
-VOCAB_PARAMS = ("tok_embeddings.weight", "output.weight")
-"""FQN suffixes of parameters whose axis 0 is the vocabulary."""
 
 
 class TileAlignmentError(UserError):
@@ -143,7 +142,7 @@ def plan_param(fqn: str, p: torch.Tensor, opts: EngineOptions, group_other_axis:
     mesh = p.device_mesh if is_dt else None
     placements = tuple(p.placements) if is_dt else ()
     mesh_shape = tuple(mesh.shape) if is_dt else ()
-    vocab = any(fqn == s or fqn.endswith("." + s) for s in VOCAB_PARAMS)
+    vocab = is_one_of(fqn, VOCAB_AXIS_PARAMS)
 
     rotate = []
     for axis, n in enumerate(sizes):
