@@ -170,7 +170,7 @@ def test_a_stray_sigterm_to_the_job_step_requeues_and_never_completes_early(tmp_
 def test_sweep_job_array_equals_run_local(tmp_path):
     """``sweep.py run --slurm`` submits a real job array (one task per point); the failing point is recorded as
     failed without stopping the others, and ``collect`` gives the table of ``run --local``."""
-    from tests.test_sweep import THREE, read_csv, write
+    from tests.test_sweep import THREE, assert_same_values, read_csv, write
     from tests.test_sweep import cli as sweep
 
     path = write(tmp_path, THREE)
@@ -193,12 +193,7 @@ def test_sweep_job_array_equals_run_local(tmp_path):
         assert sweep("collect", mode, cwd=tmp_path).returncode == 0
     local, slurm = (read_csv(tmp_path / mode / "results.csv") for mode in ("local", "slurm"))
     assert [list(r) for r in slurm] == [list(r) for r in local]
-    for a, b in zip(slurm, local):
-        for col in set(a) - {"wall_s", "tokens_per_s"}:
-            try:
-                assert float(a[col]) == pytest.approx(float(b[col]), rel=1e-6), col
-            except ValueError:
-                assert a[col] == b[col], col
+    assert_same_values(slurm, local)
 
 
 def test_a_job_that_can_never_run_is_reported_at_once(tmp_path):

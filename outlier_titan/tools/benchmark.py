@@ -675,18 +675,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     command = "outlier-titan-benchmark " + " ".join(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
-    if args.bench == "optim":
-        run_optim(args, command)
-    elif args.bench == "probe":
-        run_probe(args, command)
-    elif args.bench == "step":
-        run_step(args, command)
-    elif args.bench == "soap-ab":
-        run_soap_ab(args, command)
-    elif args.bench == "compile-math":
-        run_compile_math(args, command)
-    elif args.bench == "muon":
-        run_muon(args, command)
+    runs = {"optim": run_optim, "probe": run_probe, "step": run_step, "soap-ab": run_soap_ab,
+            "compile-math": run_compile_math, "muon": run_muon}
+    runs[args.bench](args, command)
     return 0
 
 
