@@ -8,6 +8,10 @@ class UserError(Exception):
     exit_code = 2
 
 
+class ConfigError(UserError):
+    """A bad configuration; the message is one line meant for the user."""
+
+
 class DataError(UserError):
     """A data source or tokenizer that cannot be used."""
 

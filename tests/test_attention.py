@@ -242,3 +242,39 @@ def test_softcap_caps_the_logits_before_the_variant_but_not_the_sink(variant):
         w = weights_formula(cap * torch.tanh(s / cap), i, variant, sink=sink)  # the sink logit 4.0 > cap stays
         ref[:, :, i] = torch.einsum("bhj,bhjd->bhd", w, v[:, :, : i + 1])
     assert (got - ref).abs().max().item() < TOL
+
+
+def test_an_option_of_another_variant_is_one_line_naming_its_variant():
+    with pytest.raises(ConfigError) as e:
+        _args(attention="relu", attention_softpick_eps=1e-3)
+    msg = str(e.value)
+    assert "\n" not in msg and "model.attention_softpick_eps is an option of attention variant 'softpick'" in msg
+    assert "this run uses relu" in msg
+    # the variant in use (here through attention_layers) owns it: accepted, and it reaches the block
+    spec, a = _args(attention_layers="relu,softpick", attention_softpick_eps=1e-3, attention_relu_norm="none")
+    assert a.attention_softpick_eps == 1e-3 and a.attention_relu_norm == "none"
+    with pytest.raises(ConfigError, match="option of attention variant 'sink_logit'"):
+        _args("op", attention_sink_init=0.5)  # op runs softmax by default
+
+
+def test_the_registry_feeds_the_config_and_the_model_code():
+    import dataclasses
+
+    from outlier_titan.config.manager import help_text
+    from outlier_titan.models import attention_variants as reg
+
+    names = [v.name for v in reg.variants()]
+    fields = {f.name: f for f in dataclasses.fields(Model)}
+    assert list(fields["attention"].metadata["choices"]) == names == list(attn_mod.VARIANTS)
+    assert set(attn_mod.FUSED) == {"softmax", "softmax1", "sink_logit", "gated_head", "gated_elementwise"}
+    owned = {k: f.metadata["owner"] for k, f in fields.items() if f.metadata.get("kind") == reg.KIND}
+    assert owned == {"attention_sink_init": "sink_logit", "attention_softpick_eps": "softpick",
+                     "attention_sigmoid_bias": "sigmoid", "attention_relu_norm": "relu",
+                     "attention_clip_zeta": "clipped_softmax", "attention_clip_gamma": "clipped_softmax"}
+    # config None = the owner's default, which the spec's args take from the same declaration
+    assert all(getattr(Model(), k) is None for k in owned)
+    a = attn_mod.AttentionArgs()
+    assert (a.attention_sink_init, a.attention_softpick_eps, a.attention_relu_norm) == (0.0, 1e-6, "prefix")
+    assert (a.attention_clip_zeta, a.attention_clip_gamma, a.attention_sigmoid_bias) == (1.0, -0.03, None)
+    text = help_text()
+    assert "options of attention variant 'softpick':" in text and "--model.attention_softpick_eps   default 1e-06" in text

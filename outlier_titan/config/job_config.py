@@ -8,40 +8,11 @@ fields mean "take the value from the model spec's flavor".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from outlier_titan.models import attention_variants
+from outlier_titan.options import RegisteredChoices, compose_section, opt
 
-def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
-    """A config field with a help line and optional allowed values."""
-    meta = {"help": help, "choices": choices}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-class RegisteredChoices:
-    """Allowed values that a registry fills at import time (``optimizer.name``: ``outlier_titan.optim.registry``).
-    Reads like a tuple; while empty (no registry imported) the config does not restrict the value, and the
-    registry's lookup names the registered ones."""
-
-    def __init__(self) -> None:
-        self._names: list[str] = []
-
-    def add(self, name: str) -> None:
-        self._names.append(name)
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __repr__(self) -> str:
-        return repr(tuple(self._names))
-
+__all__ = ["opt", "RegisteredChoices", "JobConfig"]
 
 OPTIMIZER_NAMES = RegisteredChoices()
 
@@ -55,7 +26,10 @@ class Job:
 
 
 @dataclass
-class Model:
+class ModelCommon:
+    """The ``[model]`` options every spec reads; the options owned by a component (an attention variant) are
+    composed in below (:data:`Model`)."""
+
     name: str = opt("pre_ln", "Model spec (see the registry: pre_ln, op, angpt, ngpt).")
     flavor: str = opt("debug", "Named size of the spec (e.g. debug, gpt2_124m, llama_1b).")
     norm: str | None = opt(None, "pre_ln: norm type (rmsnorm_single: one scalar gain, Kaul et al. 2024's "
@@ -63,24 +37,11 @@ class Model:
                            ("layernorm", "rmsnorm", "rmsnorm_single", "rmsnorm_nogain"))
     softmax: str | None = opt(None, "Old spelling of model.attention (softmax or softmax1 only).",
                               ("softmax", "softmax1"))
-    # --- attention variants (pre_ln, op; see docs/attention.md) ---
-    attention: str | None = opt(None, "Attention variant: softmax, softmax1 (exact zero sink), sink_logit (learned "
-                                      "per-head sink logit), gated_head / gated_elementwise (sigmoid output gate), "
-                                      "softpick, sigmoid, relu, clipped_softmax.",
-                                ("softmax", "softmax1", "sink_logit", "gated_head", "gated_elementwise", "softpick",
-                                 "sigmoid", "relu", "clipped_softmax"))
+    # --- attention variants (pre_ln, op; docs/attention.md): the variants and their own options
+    # (model.attention_sink_init, ...) are registered in outlier_titan.models.attention_variants
+    attention: str | None = opt(None, attention_variants.attention_help(), attention_variants.ATTENTION_NAMES)
     attention_layers: str | None = opt(None, "Comma list of attention variants, one per block (cycled); overrides "
                                              "model.attention per block (default: none).")
-    attention_sink_init: float | None = opt(None, "sink_logit: initial sink logit of every head (default 0: "
-                                                  "softmax-1 at init).")
-    attention_softpick_eps: float | None = opt(None, "softpick: epsilon of the denominator (default 1e-6).")
-    attention_sigmoid_bias: float | None = opt(None, "sigmoid: the logit bias b (default -log(sequence length)).")
-    attention_relu_norm: str | None = opt(None, "relu: divide the weights by the keys each query sees (prefix, "
-                                                "default), the sequence length (seq_len) or nothing (none).",
-                                          ("prefix", "seq_len", "none"))
-    attention_clip_zeta: float | None = opt(None, "clipped_softmax: stretch zeta >= 1 (default 1).")
-    attention_clip_gamma: float | None = opt(None, "clipped_softmax: stretch gamma <= 0 (default -0.03).")
-    # --- end of attention variants ---
     pos_encoding: str | None = opt(None, "Position encoding.", ("learned", "rope", "none"))
     bias: bool | None = opt(None, "Biases in linear layers and norms.")
     qk_norm: bool | None = opt(None, "Per-head RMSNorm on queries and keys (GPT+).")
@@ -122,6 +83,10 @@ class Model:
                                           "= param * s_init / s_scale); default anGPT 0.01, nGPT 1/sqrt(dim).")
     logit_scale_init: float | None = opt(None, "angpt/ngpt: effective initial per-vocab logit scale s_z.")
     attn_scale_init: float | None = opt(None, "angpt: initial learnable attention temperature g per head.")
+
+
+Model = compose_section("Model", ModelCommon, attention_variants.option_groups(), optional=True, module=__name__)
+"""The ``[model]`` section: the common options, then each attention variant's own (None: the owner's default)."""
 
 
 @dataclass

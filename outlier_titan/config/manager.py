@@ -16,17 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from outlier_titan.config.job_config import JobConfig
-from outlier_titan.errors import UserError
+from outlier_titan.errors import ConfigError
+from outlier_titan.options import owned_by
 from outlier_titan.packaged import resolve_config
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-class ConfigError(UserError):
-    """A bad configuration; the message is one line meant for the user."""
 
 
 def _sections(cfg: JobConfig) -> dict[str, Any]:
@@ -259,8 +256,13 @@ def help_text() -> str:
              "Every key below can be set in the TOML file ([section] key = value) or on the command line."]
     for sec_name, section in _sections(JobConfig()).items():
         lines.append(f"\n[{sec_name}]")
-        for f in dataclasses.fields(section):
-            default = getattr(section, f.name)
+        heading = None
+        for f in sorted(dataclasses.fields(section), key=lambda f: owned_by(f) is not None):
+            owner = owned_by(f)
+            if owner is not None and owner != heading:
+                heading = owner
+                lines.append(f"  -- options of {owner[0]} {', '.join(repr(o) for o in owner[1].split(', '))}:")
+            default = f.metadata["default"] if owner is not None and "default" in f.metadata else getattr(section, f.name)
             choices = f.metadata.get("choices")
             extra = f" {{{'|'.join(choices)}}}" if choices else ""
             lines.append(f"  --{sec_name}.{f.name:<24} default {default!r}{extra}")

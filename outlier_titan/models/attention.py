@@ -36,6 +36,7 @@ capped.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -43,32 +44,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from outlier_titan.config.manager import ConfigError
+from outlier_titan.models.attention_variants import (AttentionChoice, AttentionError, layer_variants,
+                                                     option_groups, used_variants, validate_options, variants)
+from outlier_titan.options import owner_defaults
 
-VARIANTS = ("softmax", "softmax1", "sink_logit", "gated_head", "gated_elementwise", "softpick", "sigmoid", "relu",
-            "clipped_softmax")
-FUSED = ("softmax", "softmax1", "sink_logit", "gated_head", "gated_elementwise")
-GATED = ("gated_head", "gated_elementwise")
-WITH_SINK = ("softmax1", "sink_logit")  # rows sum to < 1: the rest is the sink's share
-RELU_NORMS = ("prefix", "seq_len", "none")
+# derived from the registry (outlier_titan.models.attention_variants), where a variant is added
+VARIANTS = tuple(v.name for v in variants())
+FUSED = tuple(v.name for v in variants() if v.fused)
+GATED = tuple(v.name for v in variants() if v.gated)
+WITH_SINK = tuple(v.name for v in variants() if v.with_sink)  # rows sum to < 1: the rest is the sink's share
 
-
-class AttentionError(ConfigError):
-    """A bad ``model.attention*`` option."""
-
-
-@dataclass
-class AttentionArgs:
-    """The attention options of a model spec's args (mixed into ``PreLNArgs`` / ``OPArgs``)."""
-
-    attention: str | None = None  # default: ``softmax`` (the old key ``model.softmax`` is its alias)
-    attention_layers: str = ""
-    attention_sink_init: float = 0.0
-    attention_softpick_eps: float = 1e-6
-    attention_sigmoid_bias: float | None = None
-    attention_relu_norm: str = "prefix"
-    attention_clip_zeta: float = 1.0
-    attention_clip_gamma: float = -0.03
+AttentionArgs = dataclasses.make_dataclass("AttentionArgs", owner_defaults(option_groups()), bases=(AttentionChoice,))
+AttentionArgs.__module__ = __name__
+AttentionArgs.__doc__ = """The attention options of a model spec's args (mixed into ``PreLNArgs`` / ``OPArgs``): the
+variant (``attention``, ``attention_layers``) and every registered variant's options with the variant's defaults."""
 
 
 @dataclass(frozen=True)
@@ -99,26 +88,14 @@ def resolve_variant(args) -> None:
 
 def validate_attention_args(args, spec: str, unsupported: tuple[str, ...] = (), why: str = "") -> None:
     """One-line errors for an unknown variant, one the spec does not support, or a bad option value."""
-    names = [args.attention] + layer_variants(args.attention_layers)
+    names = used_variants(args)
     for v in names:
         if v not in VARIANTS:
             raise AttentionError(f"model.attention = {v!r} is not a variant; choose one of {', '.join(VARIANTS)}")
         if v in unsupported:
             raise AttentionError(f"model.attention = {v!r} is not supported by model spec '{spec}' ({why}); "
                                  f"choose one of {', '.join(x for x in VARIANTS if x not in unsupported)}")
-    if args.attention_relu_norm not in RELU_NORMS:
-        raise AttentionError(f"model.attention_relu_norm = {args.attention_relu_norm!r}: choose one of "
-                             f"{', '.join(RELU_NORMS)}")
-    if args.attention_softpick_eps < 0:
-        raise AttentionError(f"model.attention_softpick_eps must be >= 0, got {args.attention_softpick_eps}")
-    if not args.attention_clip_zeta >= 1 or not args.attention_clip_gamma <= 0:
-        raise AttentionError(f"model.attention_clip_zeta = {args.attention_clip_zeta} / attention_clip_gamma = "
-                             f"{args.attention_clip_gamma}: clipped softmax needs zeta >= 1 and gamma <= 0")
-
-
-def layer_variants(spec: str) -> list[str]:
-    """``"a,b"`` -> ["a", "b"] (empty: none)."""
-    return [s.strip() for s in (spec or "").split(",") if s.strip()]
+    validate_options(args)
 
 
 def block_options(args, layer_id: int) -> AttentionOptions:

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from outlier_titan.config.job_config import Model as ModelConfig
 from outlier_titan.config.manager import ConfigError
+from outlier_titan.models.attention_variants import check_options_used
 
 
 @dataclass
@@ -87,6 +88,8 @@ def model_args(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[M
     validate = getattr(args, "validate", None)
     if validate is not None:
         validate()
+    if "attention" in arg_names:
+        check_options_used(model_cfg, args)
     return spec, args
 
 
