@@ -16,9 +16,12 @@ from dataclasses import MISSING, dataclass, field, make_dataclass
 from typing import Any
 
 
-def opt(default: Any, help: str, choices: Any = None) -> Any:
-    """A config field with a help line and optional allowed values."""
+def opt(default: Any, help: str, choices: Any = None, names: Any = None) -> Any:
+    """A config field with a help line, optional allowed values (``choices``) or registered names that a free-form
+    value may also be (``names``, listed by ``--help``)."""
     meta = {"help": help, "choices": choices}
+    if names is not None:
+        meta["names"] = names
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -47,6 +50,11 @@ class RegisteredChoices:
 
     def __repr__(self) -> str:
         return repr(tuple(self._names))
+
+
+DATA_SOURCE_NAMES = RegisteredChoices()
+"""The named sources ``data.source`` takes besides paths (``outlier_titan.data.sources.register_source`` fills it);
+``--help`` lists them (``names`` of the field's metadata), the value is not restricted to them."""
 
 
 @dataclass(frozen=True)

@@ -367,3 +367,32 @@ def test_hf_source_without_datasets_extra(monkeypatch):
         with pytest.raises(DataError, match=r"needs the Hugging Face 'datasets' package; pip install "
                                             r"'outlier_titan\[hf\]'"):
             resolve_source(name, "train")
+
+
+def test_a_registered_named_source_resolves_and_is_listed_by_help(tmp_path):
+    from outlier_titan.config.manager import help_text
+    from outlier_titan.data import sources
+    from outlier_titan.options import DATA_SOURCE_NAMES
+
+    (tmp_path / "a.txt").write_text("alpha beta\n")
+    (tmp_path / "b.txt").write_text("gamma delta\n")
+    saved, names = dict(sources._SOURCES), list(DATA_SOURCE_NAMES)
+
+    def open_toy(name, split, *, text_field, val_fraction, seed):
+        return local_corpus(str(tmp_path), split, text_field, val_fraction=0.5)
+
+    try:
+        sources.register_source(sources.NamedSource("toy_corpus", "two tiny files", open_toy))
+        with pytest.raises(DataError, match="already registered"):
+            sources.register_source(sources.NamedSource("toy_corpus", "again", open_toy))
+        docs = [d for split in sources.SPLITS for d in resolve_source("toy_corpus", split).documents()]
+        assert sorted(docs) == ["alpha beta\n", "gamma delta\n"]
+        assert "(named: embedded, c4, fineweb, bigram_backcopy, toy_corpus; or a path)" in help_text()
+        with pytest.raises(DataError, match="or one of embedded, c4, fineweb, bigram_backcopy, toy_corpus$"):
+            resolve_source("nope", "train")
+        with pytest.raises(DataError, match="synthetic task without documents"):
+            resolve_source("bigram_backcopy:states=8", "train")
+    finally:
+        sources._SOURCES.clear()
+        sources._SOURCES.update(saved)
+        DATA_SOURCE_NAMES._names[:] = names

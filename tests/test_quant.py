@@ -287,3 +287,30 @@ def test_weight_cache_reuses_quantised_weights():
     with torch.no_grad(), quantized(m, "w8a8_static", calib, weight_cache=cache):
         assert torch.equal(m.proj.weight, cache["proj"])
     assert not torch.equal(m.proj.weight, cache["proj"])  # restored
+
+
+def test_a_registered_scheme_is_usable_by_name_and_listed_by_the_tool():
+    import outlier_titan.quant.ptq as ptq
+    from outlier_titan.errors import UserError
+    from outlier_titan.tools import evaluate as ev
+
+    saved = dict(ptq.SCHEMES)
+    try:
+        toy = ptq.register_scheme(ptq.Scheme("toy_w8", "toy: int8 weights per tensor",
+                                             lambda w: qz.absmax_quantize(w, 8, reduce_dims=None), None, False, True))
+        with pytest.raises(UserError, match="already registered"):
+            ptq.register_scheme(toy)
+        assert ptq.get_scheme("toy_w8") is toy and list(ptq.SCHEMES)[-1] == "toy_w8"
+        assert ev.parse(["--checkpoint", "x"]).schemes.split(",")[-1] == "toy_w8"
+        with pytest.raises(UserError) as e:
+            ptq.check_schemes(["toy_w8", "int3"], "--schemes")
+        assert str(e.value).startswith("--schemes: unknown int3; available: int8_fine,") and "toy_w8" in str(e.value)
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8, bias=False))
+        w = m[0].weight.detach().clone()
+        with quantized(m, "toy_w8"):
+            assert torch.equal(m[0].weight, qz.absmax_quantize(w, 8, reduce_dims=None))
+        assert torch.equal(m[0].weight, w)
+    finally:
+        ptq.SCHEMES.clear()
+        ptq.SCHEMES.update(saved)

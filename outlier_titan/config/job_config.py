@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from outlier_titan.models import attention_variants
-from outlier_titan.options import RegisteredChoices, compose_section, opt
+from outlier_titan.options import DATA_SOURCE_NAMES, RegisteredChoices, compose_section, opt
 
 __all__ = ["opt", "RegisteredChoices", "JobConfig"]
 
@@ -187,9 +187,10 @@ class Training:
 
 @dataclass
 class Data:
-    source: str = opt("embedded", "Corpus: 'embedded' (this Python's stdlib source), a file/folder of "
-                                  ".txt/.jsonl/.parquet, an HF dataset name (c4, fineweb), or the synthetic "
-                                  "Bigram-Backcopy task 'bigram_backcopy[:states=64,triggers=3,alpha=0.2,seed=0]'.")
+    source: str = opt("embedded", "Corpus: a file/folder of .txt/.jsonl/.parquet, or a named source registered in "
+                                  "outlier_titan.data.sources (embedded: this Python's stdlib source; HF datasets; "
+                                  "the synthetic task 'bigram_backcopy[:states=64,triggers=3,alpha=0.2,seed=0]').",
+                      names=DATA_SOURCE_NAMES)
     tokenizer: str = opt("embedded", "'embedded' (shipped BPE), a tiktoken BPE rank file, or tiktoken:<encoding>.")
     text_field: str = opt("text", "Field with the text in jsonl/parquet/HF records.")
     val_fraction: float = opt(0.02, "Fraction of documents (by file) held out for validation.")

@@ -265,6 +265,8 @@ def help_text() -> str:
             default = f.metadata["default"] if owner is not None and "default" in f.metadata else getattr(section, f.name)
             choices = f.metadata.get("choices")
             extra = f" {{{'|'.join(choices)}}}" if choices else ""
+            if f.metadata.get("names"):
+                extra += f" (named: {', '.join(f.metadata['names'])}; or a path)"
             lines.append(f"  --{sec_name}.{f.name:<24} default {default!r}{extra}")
             lines.append(f"      {f.metadata.get('help', '')}")
     return "\n".join(lines)

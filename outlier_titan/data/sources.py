@@ -33,10 +33,11 @@ import random
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from outlier_titan.data.synthetic import is_synthetic
+from outlier_titan.data.synthetic import NAME as SYNTHETIC_NAME
 from outlier_titan.errors import DataError
+from outlier_titan.options import DATA_SOURCE_NAMES
 
 SPLITS = ("train", "validation")
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -50,10 +51,47 @@ class HFDataset:
     validation_split: str | None  # None: hash-split the train stream
 
 
-HF_DATASETS = {
-    "c4": HFDataset("allenai/c4", "en", "validation"),
-    "fineweb": HFDataset("HuggingFaceFW/fineweb", "sample-10BT", None),
-}
+# ------------------------------------------------------------------------------------ the named sources' registry
+
+
+@dataclass(frozen=True)
+class NamedSource:
+    """A ``data.source`` given by name rather than by path: ``embedded``, a Hugging Face dataset, the synthetic task.
+
+    ``open(name, split, text_field, val_fraction, seed)`` returns the corpus; a synthetic source (token windows made
+    on demand by :mod:`outlier_titan.data.synthetic`, routed there by the loader) has none. ``parameters``: the
+    name may carry them, ``name:key=value,...``."""
+
+    name: str
+    help: str
+    open: Callable[..., Any] | None
+    hf: HFDataset | None = None
+    parameters: bool = False
+
+    def matches(self, source: str) -> bool:
+        return source == self.name or (self.parameters and source.startswith(self.name + ":"))
+
+
+_SOURCES: dict[str, NamedSource] = {}
+HF_DATASETS: dict[str, HFDataset] = {}
+"""The registered Hugging Face datasets by name (derived from the registry)."""
+
+
+def register_source(source: NamedSource) -> NamedSource:
+    """Makes ``source.name`` a valid ``data.source`` (the config's ``--help`` lists it; a local path of the same
+    name is then shadowed)."""
+    if source.name in _SOURCES:
+        raise DataError(f"data source {source.name!r} is already registered; pick another name")
+    _SOURCES[source.name] = source
+    if source.hf is not None:
+        HF_DATASETS[source.name] = source.hf
+    DATA_SOURCE_NAMES.add(source.name)
+    return source
+
+
+def named_source(source: str) -> NamedSource | None:
+    """The registered source that ``data.source`` names, or None (a path)."""
+    return next((s for s in _SOURCES.values() if s.matches(source)), None)
 
 
 def tokenizer_mismatch(source: str, spec: str) -> str | None:
@@ -235,7 +273,7 @@ def local_corpus(source: str, split: str, text_field: str = "text", val_fraction
     path = Path(source).expanduser()
     if not path.exists():
         raise DataError(f"data.source: path {source} does not exist; pass an existing .txt/.jsonl/.parquet file "
-                        "or folder, 'embedded', or one of " + ", ".join(HF_DATASETS))
+                        "or folder, or a named source: " + ", ".join(_SOURCES))
     if path.is_file():
         if path.suffix.lower() not in FILE_SUFFIXES:
             raise DataError(f"data.source: {source} is not a .txt, .jsonl or .parquet file; convert it or "
@@ -320,15 +358,31 @@ def resolve_source(source: str, split: str, *, text_field: str = "text", val_fra
     """The corpus named by ``data.source`` for ``split``; DataError for anything unusable.
 
     ``seed`` shuffles the embedded corpus's file order (None: sorted); other sources are read in order."""
-    if is_synthetic(source):
+    named = named_source(source)
+    if named is not None and named.open is None:
         raise DataError(f"data.source: '{source}' is a synthetic task without documents (nothing to read or "
                         "pretokenize); use it as data.source of a training run directly")
-    if source == "embedded":
-        return embedded_corpus(split, val_fraction, seed)
-    if source in HF_DATASETS and not Path(source).exists():
-        return hf_corpus(source, split, text_field, val_fraction)
+    if named is not None and not (named.hf is not None and Path(source).exists()):
+        return named.open(source, split, text_field=text_field, val_fraction=val_fraction, seed=seed)
     looks_like_path = any(c in source for c in "/\\.~") or Path(source).exists()
     if not looks_like_path:
-        raise DataError(f"data.source: unknown dataset '{source}'; use 'embedded', 'bigram_backcopy', a path to "
-                        ".txt/.jsonl/.parquet data, or one of " + ", ".join(HF_DATASETS))
+        raise DataError(f"data.source: unknown dataset '{source}'; use a path to .txt/.jsonl/.parquet data or one "
+                        "of " + ", ".join(_SOURCES))
     return local_corpus(source, split, text_field, val_fraction)
+
+
+def _open_embedded(name: str, split: str, *, text_field: str, val_fraction: float, seed: int | None) -> FileCorpus:
+    return embedded_corpus(split, val_fraction, seed)
+
+
+def _open_hf(name: str, split: str, *, text_field: str, val_fraction: float, seed: int | None) -> HFCorpus:
+    return hf_corpus(name, split, text_field, val_fraction)
+
+
+register_source(NamedSource("embedded", "this Python's stdlib source", _open_embedded))
+register_source(NamedSource("c4", "Hugging Face allenai/c4 (en), streamed", _open_hf,
+                            hf=HFDataset("allenai/c4", "en", "validation")))
+register_source(NamedSource("fineweb", "Hugging Face HuggingFaceFW/fineweb (sample-10BT), streamed", _open_hf,
+                            hf=HFDataset("HuggingFaceFW/fineweb", "sample-10BT", None)))
+register_source(NamedSource(SYNTHETIC_NAME, f"the synthetic Bigram-Backcopy task, "
+                            f"'{SYNTHETIC_NAME}[:states=64,triggers=3,alpha=0.2,seed=0]'", None, parameters=True))

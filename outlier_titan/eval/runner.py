@@ -17,26 +17,25 @@ from outlier_titan.config.job_config import Observe
 from outlier_titan.eval.perplexity import perplexity
 from outlier_titan.eval.report import scheme_entry
 from outlier_titan.observe.probe import OutlierProbe
-from outlier_titan.quant.ptq import SCHEMES, quantized
+from outlier_titan.quant.ptq import SCHEMES, check_schemes, get_scheme, quantized
 
 
 def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, torch.Tensor]],
                    probe_tokens: Sequence[torch.Tensor], calib_batches: Callable[[int], list[torch.Tensor]],
-                   schemes: Sequence[str] = tuple(SCHEMES), calib_seeds: Sequence[int] = (0, 1, 2),
+                   schemes: Sequence[str] | None = None, calib_seeds: Sequence[int] = (0, 1, 2),
                    device: torch.device | str = "cpu", stream: TextIO | None = None,
                    ) -> tuple[dict, dict[str, np.ndarray]]:
-    """The report dict (see :mod:`outlier_titan.eval.report`) and the probe pictures.
+    """The report dict (see :mod:`outlier_titan.eval.report`) and the probe pictures; ``schemes``: registered
+    scheme names (None: every registered one).
 
     ``calib_batches(seed)`` gives the calibration token batches of static and GPTQ schemes; each such scheme, and
     each rotated scheme (its random signs), is run once per seed in ``calib_seeds`` and reported as mean ± std
     (He et al. 2024's protocol uses 3 seeds).
     """
-    unknown = [s for s in schemes if s not in SCHEMES]
-    if unknown:
-        raise ValueError(f"unknown quantisation scheme(s) {', '.join(unknown)}; available: {', '.join(SCHEMES)}")
+    schemes = check_schemes(SCHEMES if schemes is None else schemes, "quantisation scheme(s)")
     model.eval()
     total = sum(labels.numel() for _, labels in eval_batches)
-    runs = 1 + sum(len(calib_seeds) if SCHEMES[name].seeded else 1 for name in schemes)
+    runs = 1 + sum(len(calib_seeds) if get_scheme(name).seeded else 1 for name in schemes)
     # one bar over every perplexity pass (full precision, then each scheme and calibration seed)
     with tqdm(total=total * runs, desc="full precision", unit="tok", unit_scale=True, file=stream,
               dynamic_ncols=True) as bar:
@@ -45,7 +44,7 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
             [t.to(device) for t in probe_tokens])
         entries = []
         for name in schemes:
-            scheme = SCHEMES[name]
+            scheme = get_scheme(name)
             seeds = list(calib_seeds) if scheme.seeded else [None]
             ppls, head, weights, rotation = [], "", {}, None
             for seed in seeds:

@@ -9,7 +9,8 @@ attention scores and probabilities) are not applied. Weights are replaced by the
 values; activation quantisers are forward (pre-)hooks. :func:`quantized` applies a scheme for the duration of
 a ``with`` block and restores the exact original weights afterwards.
 
-Schemes (``SCHEMES``):
+Schemes (the registry ``SCHEMES``, filled by :func:`register_scheme`; ``outlier-titan-evaluate --schemes``, its
+default, its ``--help`` and the evaluation report read it, so a new scheme is one ``Scheme`` and one registration):
 
 ========================  ==================================  ==============================  ==============
 name                      weights                              linear inputs                   linear outputs
@@ -59,6 +60,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.nn as nn
 
+from outlier_titan.errors import UserError
 from outlier_titan.models.layers import Attention
 from outlier_titan.quant import quantizers as qz
 from outlier_titan.quant.gptq import gptq_model
@@ -108,7 +110,42 @@ def _w_int8_mse(w: torch.Tensor) -> torch.Tensor:
     return qz.symmetric_quantize(w, qz.mse_symmetric_clip(w, 8), 8)
 
 
-SCHEMES: dict[str, Scheme] = {s.name: s for s in (
+SCHEMES: dict[str, Scheme] = {}
+"""The registered schemes by name, in registration order (the report's order)."""
+
+
+def register_scheme(scheme: Scheme) -> Scheme:
+    """Makes ``scheme`` usable by name (``--schemes``, :func:`quantized`, the evaluation report)."""
+    if not scheme.name or not scheme.name.replace("_", "").isalnum():
+        raise UserError(f"quantisation scheme name {scheme.name!r} must be letters, digits and underscores")
+    if scheme.name in SCHEMES:
+        raise UserError(f"quantisation scheme {scheme.name!r} is already registered; pick another name")
+    SCHEMES[scheme.name] = scheme
+    return scheme
+
+
+def get_scheme(name: str) -> Scheme:
+    """The registered scheme; an unknown name is a one-line error listing the registered ones."""
+    if name not in SCHEMES:
+        raise UserError(f"quantisation scheme {name!r} is not registered; available: {', '.join(SCHEMES)}")
+    return SCHEMES[name]
+
+
+def check_schemes(names: Iterable[str], what: str = "quantisation scheme") -> list[str]:
+    """``names`` as a list; one line naming every unknown one and the registered ones otherwise."""
+    names = list(names)
+    bad = [n for n in names if n not in SCHEMES]
+    if bad:
+        raise UserError(f"{what}: unknown {', '.join(bad)}; available: {', '.join(SCHEMES)}")
+    return names
+
+
+def scheme_help() -> str:
+    """One line per registered scheme: its name and description (``--schemes``' help)."""
+    return "; ".join(f"{s.name}: {s.description}" for s in SCHEMES.values())
+
+
+for _s in (
     Scheme("int8_fine", "absmax int8: W per output channel, X per feature channel", _w_int8_channel,
            "channel", False, True),
     Scheme("int8_fine_token", "absmax int8: W per output channel, X per token", _w_int8_channel,
@@ -130,11 +167,12 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
            calibrate=True, gptq_bits=4),
     Scheme("w4a4kv4_gptq", "W4A4KV4 GPTQ: W as w4a16_gptq, X and K/V as w4a4kv4_rtn, head FP", None, "token", False,
            False, calibrate=True, act_bits=4, kv_bits=4, gptq_bits=4),
-)}
+):
+    register_scheme(_s)
 # QuaRot-rotated variants of the 4-bit schemes and of w8a8_dynamic
-SCHEMES.update({f"{n}_hadamard": replace(SCHEMES[n], name=f"{n}_hadamard", rotate=True,
-                                          description=SCHEMES[n].description + ", after a QuaRot rotation")
-                for n in ("w8a8_dynamic", "w4a16_rtn", "w4a4kv4_rtn", "w4a16_gptq", "w4a4kv4_gptq")})
+for _n in ("w8a8_dynamic", "w4a16_rtn", "w4a4kv4_rtn", "w4a16_gptq", "w4a4kv4_gptq"):
+    register_scheme(replace(SCHEMES[_n], name=f"{_n}_hadamard", rotate=True,
+                            description=SCHEMES[_n].description + ", after a QuaRot rotation"))
 
 
 def _dynamic_act(kind: str, bits: int = 8) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -221,7 +259,7 @@ def quantized(model: nn.Module, scheme: str | Scheme, calib_batches: Iterable[to
     a deterministic weight quantiser so that repeated applications (calibration seeds) skip the weight
     quantisation, which for the MSE clip search is the expensive part.
     """
-    s = SCHEMES[scheme] if isinstance(scheme, str) else scheme
+    s = get_scheme(scheme) if isinstance(scheme, str) else scheme
     if (s.act == "static" or s.gptq_bits) and calib_batches is None:
         raise ValueError(f"scheme {s.name} needs calibration batches")
     work, rot_info = rotate(model, seed) if s.rotate else (model, None)

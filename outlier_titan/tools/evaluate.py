@@ -36,7 +36,7 @@ import torch
 
 from outlier_titan import cli
 from outlier_titan.errors import UserError
-from outlier_titan.quant.ptq import SCHEMES
+from outlier_titan.quant.ptq import SCHEMES, check_schemes, scheme_help
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -50,7 +50,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="validation tokens for each perplexity; a smaller validation split is scored once, "
                         "whole, with a warning")
     p.add_argument("--out", default=None, help="JSON report path (default <run>/eval/step-<N>.json)")
-    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes")
+    p.add_argument("--schemes", default=",".join(SCHEMES),
+                   help="comma-separated registered schemes (default: all of them): " + scheme_help())
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: training.seq_len)")
     p.add_argument("--calib-batches", type=int, default=4, help="w8a8_static and GPTQ: calibration batches per seed")
@@ -82,9 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from outlier_titan.eval.runner import evaluate_model
 
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    bad = [s for s in schemes if s not in SCHEMES]
-    if bad:
-        raise UserError(f"--schemes: unknown {', '.join(bad)}; available: {', '.join(SCHEMES)}")
+    check_schemes(schemes, "--schemes")
     for flag in ("tokens", "batch_size", "calib_batches", "calib_seeds"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
