@@ -89,7 +89,8 @@ def group_fields(group: OptionGroup, optional: bool) -> list[tuple[str, Any, dat
     out = []
     for f in dataclasses.fields(group.cls):
         default = _default(f)
-        meta = {**f.metadata, "owner": group.owner, "kind": group.kind, "default": default}
+        meta = {**f.metadata, "owner": group.owner, "kind": group.kind, "default": default,
+                "defaults": {group.owner: default}}
         tp = hints[f.name]
         if optional:
             if type(None) not in typing.get_args(tp):
@@ -119,7 +120,8 @@ def owner_defaults(groups: typing.Iterable[OptionGroup]) -> list[tuple[str, Any,
 def compose_section(name: str, base: type, groups: typing.Iterable[OptionGroup], optional: bool,
                     module: str) -> type:
     """A dataclass ``name``: the fields of ``base`` (common to every owner), then each group's fields in order.
-    A key declared by two owners must be declared alike (same type and default); its metadata then names both."""
+    A key declared by two owners must have the same type (and, unless ``optional``, the same default); its metadata
+    then names both (``owner``: "a, b"; ``defaults``: each owner's)."""
     fields: dict[str, tuple[str, Any, dataclasses.Field]] = {}
     base_names = {f.name for f in dataclasses.fields(base)}
     for g in groups:
@@ -129,11 +131,11 @@ def compose_section(name: str, base: type, groups: typing.Iterable[OptionGroup],
                 raise TypeError(f"{g.label()} declares '{g.section}.{key}', a common option of [{g.section}]")
             if key in fields:
                 old = fields[key]
-                if old[1] != entry[1] or old[2].metadata["default"] != entry[2].metadata["default"]:
+                if old[1] != entry[1] or (not optional and old[2].metadata["default"] != entry[2].metadata["default"]):
                     raise TypeError(f"'{g.section}.{key}' is declared differently by {old[2].metadata['owner']} "
                                     f"and {g.label()}")
-                owners = old[2].metadata["owner"] + ", " + g.owner
-                meta = {**old[2].metadata, "owner": owners}
+                meta = {**old[2].metadata, "owner": old[2].metadata["owner"] + ", " + g.owner,
+                        "defaults": {**old[2].metadata["defaults"], g.owner: entry[2].metadata["default"]}}
                 if old[2].default_factory is not MISSING:
                     fields[key] = (key, old[1], field(default_factory=old[2].default_factory, metadata=meta))
                 else:

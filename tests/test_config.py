@@ -89,3 +89,37 @@ def test_train_py_exits_2_with_one_line(argv, fragment):
     assert proc.returncode == 2
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and fragment in lines[0], proc.stderr
+
+
+def test_composed_section_names_owners_and_rejects_conflicting_declarations():
+    import dataclasses
+
+    import pytest
+
+    from outlier_titan.options import OptionGroup, compose_section, opt, owned_by
+
+    @dataclasses.dataclass
+    class Common:
+        lr: float = opt(1e-3, "Learning rate.")
+
+    @dataclasses.dataclass
+    class A:
+        a_k: int = opt(2, "a: k.")
+        shared: str = opt("x", "a and b: s.", ("x", "y"))
+
+    @dataclasses.dataclass
+    class B:
+        shared: str = opt("y", "a and b: s.", ("x", "y"))
+
+    ga, gb = OptionGroup("toy", "toy part", "a", A), OptionGroup("toy", "toy part", "b", B)
+    sec = compose_section("Toy", Common, [ga, gb], optional=True, module=__name__)
+    fields = {f.name: f for f in dataclasses.fields(sec)}
+    assert list(fields) == ["lr", "a_k", "shared"] and sec().a_k is None and sec(a_k=3).a_k == 3
+    assert owned_by(fields["lr"]) is None and owned_by(fields["shared"]) == ("toy part", "a, b")
+    assert fields["shared"].metadata["defaults"] == {"a": "x", "b": "y"}
+    with pytest.raises(TypeError, match="declared differently"):  # real defaults must agree
+        compose_section("Toy", Common, [ga, gb], optional=False, module=__name__)
+    sec = compose_section("Toy", Common, [ga], optional=False, module=__name__)
+    assert sec().a_k == 2 and sec().shared == "x"
+    with pytest.raises(TypeError, match="common option"):
+        compose_section("Toy", Common, [OptionGroup("toy", "toy part", "c", Common)], optional=True, module=__name__)

@@ -355,3 +355,23 @@ def test_an_option_of_another_spec_is_one_line_naming_its_spec():
     assert "it is an option of 'op'" in msg
     with pytest.raises(ConfigError, match="it is an option of 'op', 'pre_ln'"):
         model_args(ModelConfig(name="angpt", attention_sink_init=0.5), 256, 64)
+
+
+def test_spec_options_are_declared_once_by_their_spec_and_composed_into_model():
+    from outlier_titan.config.job_config import Model as ModelConfig
+    from outlier_titan.config.manager import help_text
+    from outlier_titan.models import spec_options
+    from outlier_titan.models.registry import get_spec
+
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    for group in spec_options.option_groups():
+        args = get_spec(group.owner).args_cls
+        assert issubclass(args, group.cls), group.owner  # the args take their defaults from the group
+        for f in dataclasses.fields(group.cls):
+            assert group.owner in fields[f.name].metadata["owner"].split(", ")
+            assert getattr(ModelConfig(), f.name) is None  # None in the config: the spec's (or flavor's) value
+    assert fields["param_scale"].metadata["defaults"] == {"angpt": 0.01, "ngpt": None}
+    assert fields["dim"].metadata.get("owner") is None  # every spec reads it: a common option
+    text = help_text()
+    assert "  -- options of model spec 'op':\n  --model.block " in text
+    assert "--model.alpha_abs                default (angpt: False, ngpt: True)" in text

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from outlier_titan.models import attention_variants
+from outlier_titan.models import attention_variants, spec_options
 from outlier_titan.options import DATA_SOURCE_NAMES, RegisteredChoices, compose_section, opt
 
 __all__ = ["opt", "RegisteredChoices", "JobConfig"]
@@ -27,14 +27,11 @@ class Job:
 
 @dataclass
 class ModelCommon:
-    """The ``[model]`` options every spec reads; the options owned by a component (an attention variant) are
-    composed in below (:data:`Model`)."""
+    """The ``[model]`` options read by every spec (or several); the options owned by one component (a model spec,
+    an attention variant) are composed in below (:data:`Model`)."""
 
     name: str = opt("pre_ln", "Model spec (see the registry: pre_ln, op, angpt, ngpt).")
     flavor: str = opt("debug", "Named size of the spec (e.g. debug, gpt2_124m, llama_1b).")
-    norm: str | None = opt(None, "pre_ln: norm type (rmsnorm_single: one scalar gain, Kaul et al. 2024's "
-                                 "RMSNormSingle; rmsnorm_nogain: no gain).",
-                           ("layernorm", "rmsnorm", "rmsnorm_single", "rmsnorm_nogain"))
     softmax: str | None = opt(None, "Old spelling of model.attention (softmax or softmax1 only).",
                               ("softmax", "softmax1"))
     # --- attention variants (pre_ln, op; docs/attention.md): the variants and their own options
@@ -47,8 +44,6 @@ class ModelCommon:
     qk_norm: bool | None = opt(None, "Per-head RMSNorm on queries and keys (GPT+).")
     mlp: str | None = opt(None, "MLP type.", ("gelu", "swiglu", "relu"))
     tie_embeddings: bool | None = opt(None, "Share input embedding and output head weights.")
-    embed_proj: bool | None = opt(None, "pre_ln: a learnable d x d projection after the token embedding, identity "
-                                        "at init (Outlier-Safe Pre-Training); merged into the embedding on export.")
     dim: int | None = opt(None, "Residual width (overrides the flavor; set by sweeps and Hugging Face imports).")
     n_layers: int | None = opt(None, "Number of blocks (overrides the flavor).")
     n_heads: int | None = opt(None, "Attention heads (overrides the flavor).")
@@ -59,34 +54,12 @@ class ModelCommon:
     vocab_size: int | None = opt(None, "Vocabulary size; default: the tokenizer's, padded to a multiple of 64.")
     max_seq_len: int | None = opt(None, "Longest sequence for learned positions / RoPE; default training.seq_len.")
     rope_fraction: float | None = opt(None, "Share of each head's dims rotated by RoPE (GPT+/anGPT: 0.5).")
-    block: str | None = opt(None, "op: block variant: the Outlier Protected block or a baseline of He et al. 2024.",
-                            ("op", "pre_ln", "pre_rms", "pre_srms", "post_ln"))
-    final_norm: bool | None = opt(None, "op: a final norm before the head (OP: none).")
-    residual_scale: float | None = opt(None, "op: beta, the residual-branch scale (its init when trainable).")
-    residual_scale_mode: str | None = opt(None, "op: beta as a fixed scalar, trainable scalar, trainable "
-                                                "LayerScale vector, or none (beta = 1).",
-                                          ("none", "fixed", "scalar", "vector"))
-    mlp_alpha: str | None = opt(None, "op: alpha on the MLP input: none, analytic (fixed, from the init signal "
-                                      "propagation), trainable (scalar, init analytic).",
-                                ("none", "analytic", "trainable"))
-    embed_scale: float | None = opt(None, "op: multiplier of the token embeddings (default 1/init std: mean "
-                                          "square 1 at init).")
-    input_norm: bool | None = opt(None, "op: LayerNorm on block 0's attention input (the authors' code).")
-    logit_softcap: float | None = opt(None, "op: tanh soft-cap c*tanh(s/c) of attention logits (0 = off).")
-    lerp_form: str | None = opt(None, "angpt: LERP factor nu(alpha): corrected (1-2a+2a^2)^-1/2 or the "
-                                      "paper's printed 1-2a+2a^2.", ("corrected", "printed"))
-    lerp_factor: str | None = opt(None, "angpt: nu(alpha) per dimension, or one scalar from the mean over dims.",
-                                  ("elementwise", "mean"))
-    alpha_init: float | None = opt(None, "angpt/ngpt: effective initial LERP step alpha.")
-    alpha_abs: bool | None = opt(None, "angpt/ngpt: LERP with |alpha| (nGPT code) instead of signed alpha.")
-    param_scale: float | None = opt(None, "angpt/ngpt: stored init s_scale of scaling vectors (effective value "
-                                          "= param * s_init / s_scale); default anGPT 0.01, nGPT 1/sqrt(dim).")
-    logit_scale_init: float | None = opt(None, "angpt/ngpt: effective initial per-vocab logit scale s_z.")
-    attn_scale_init: float | None = opt(None, "angpt: initial learnable attention temperature g per head.")
 
 
-Model = compose_section("Model", ModelCommon, attention_variants.option_groups(), optional=True, module=__name__)
-"""The ``[model]`` section: the common options, then each attention variant's own (None: the owner's default)."""
+Model = compose_section("Model", ModelCommon, spec_options.option_groups() + attention_variants.option_groups(),
+                        optional=True, module=__name__)
+"""The ``[model]`` section: the common options, then each model spec's own (``models/spec_options.py``) and each
+attention variant's own (``models/attention_variants.py``); None: the owner's default (or the flavor's)."""
 
 
 @dataclass

@@ -262,12 +262,18 @@ def help_text() -> str:
             if owner is not None and owner != heading:
                 heading = owner
                 lines.append(f"  -- options of {owner[0]} {', '.join(repr(o) for o in owner[1].split(', '))}:")
-            default = f.metadata["default"] if owner is not None and "default" in f.metadata else getattr(section, f.name)
+            default = f.metadata["default"] if owner is not None else getattr(section, f.name)
+            defaults = f.metadata.get("defaults", {})
+            if len(set(map(repr, defaults.values()))) > 1:
+                default = ", ".join(f"{o}: {d!r}" for o, d in defaults.items())
+                default = f"({default})"
+            else:
+                default = repr(default)
             choices = f.metadata.get("choices")
             extra = f" {{{'|'.join(choices)}}}" if choices else ""
             if f.metadata.get("names"):
                 extra += f" (named: {', '.join(f.metadata['names'])}; or a path)"
-            lines.append(f"  --{sec_name}.{f.name:<24} default {default!r}{extra}")
+            lines.append(f"  --{sec_name}.{f.name:<24} default {default}{extra}")
             lines.append(f"      {f.metadata.get('help', '')}")
     return "\n".join(lines)
 

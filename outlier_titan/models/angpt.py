@@ -71,12 +71,16 @@ from outlier_titan.models.ngpt import (
     validate_normalized_args,
 )
 from outlier_titan.models.registry import ModelSpec, register_spec
+from outlier_titan.models.spec_options import ANGPTOptions
 
 NU_ACF = 3.74  # SiLU-GLU activation factor, the paper's Monte-Carlo value
 
 
 @dataclass
-class ANGPTArgs:
+class ANGPTArgs(ANGPTOptions):
+    """The angpt spec's args: its own options (``lerp_form``, ``alpha_init``, ...: ``models/spec_options.py``) and the
+    architecture below."""
+
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -87,13 +91,6 @@ class ANGPTArgs:
     pos_encoding: str = "rope"
     rope_fraction: float = 0.5
     rope_theta: float = 10000.0
-    lerp_form: str = "corrected"
-    lerp_factor: str = "elementwise"
-    alpha_init: float = 0.05
-    alpha_abs: bool = False
-    param_scale: float | None = 0.01
-    logit_scale_init: float = 1.0
-    attn_scale_init: float | None = None  # default sqrt(d_h)
     nu_acf: float = NU_ACF
 
     def __post_init__(self):

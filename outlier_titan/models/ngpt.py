@@ -56,6 +56,7 @@ from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import Attention, RotaryEmbedding, attention, init_norms
 from outlier_titan.models.pre_ln import build_rope, rope_dims
 from outlier_titan.models.registry import ModelSpec, register_spec
+from outlier_titan.models.spec_options import NGPTOptions
 from outlier_titan.parallel.tensor_parallel import local
 
 NORM_EPS = 1e-12
@@ -181,7 +182,10 @@ class Lerp(nn.Module):
 
 
 @dataclass
-class NGPTArgs:
+class NGPTArgs(NGPTOptions):
+    """The ngpt spec's args: its own options (``alpha_init``, ``param_scale``, ...: ``models/spec_options.py``) and
+    the architecture below."""
+
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -192,10 +196,6 @@ class NGPTArgs:
     pos_encoding: str = "rope"
     rope_fraction: float = 1.0
     rope_theta: float = 10000.0
-    alpha_init: float = 0.05
-    alpha_abs: bool = True
-    param_scale: float | None = None  # default 1 / sqrt(dim)
-    logit_scale_init: float = 1.0
 
     def __post_init__(self):
         if self.ffn_hidden is None:

@@ -63,13 +63,17 @@ from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import MLP, Attention, LayerNorm, RotaryEmbedding, build_norm, init_norms
 from outlier_titan.models.pre_ln import build_rope, rope_dims
 from outlier_titan.models.registry import ModelSpec, register_spec
+from outlier_titan.models.spec_options import OP_BLOCKS, OPOptions
 
-BLOCKS = ("op", "pre_ln", "pre_rms", "pre_srms", "post_ln")
+BLOCKS = OP_BLOCKS
 _BLOCK_NORM = {"pre_ln": "layernorm", "pre_rms": "rmsnorm", "pre_srms": "rmsnorm_nogain", "post_ln": "layernorm"}
 
 
 @dataclass
-class OPArgs(AttentionArgs):
+class OPArgs(AttentionArgs, OPOptions):
+    """The op spec's args: its own options (``block``, ``residual_scale``, ...: ``models/spec_options.py``), the
+    attention options, and the architecture below."""
+
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -77,22 +81,14 @@ class OPArgs(AttentionArgs):
     ffn_hidden: int | None = None  # default 4 * dim
     vocab_size: int = 4096
     max_seq_len: int = 1024
-    block: str = "op"
     softmax: str = "softmax"
     pos_encoding: str = "learned"
     rope_fraction: float = 1.0
     rope_theta: float = 10000.0
     bias: bool = False
     qk_norm: bool = True
-    logit_softcap: float = 0.0
     mlp: str = "relu"
     tie_embeddings: bool = False
-    final_norm: bool = False
-    residual_scale: float = 0.2
-    residual_scale_mode: str = "fixed"
-    mlp_alpha: str = "none"
-    embed_scale: float | None = None  # default 1 / init_std
-    input_norm: bool = False
     norm_eps: float = 1e-5
     init_std: float = 0.02
 

@@ -47,10 +47,14 @@ from outlier_titan.models.attention import AttentionArgs, block_options, resolve
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import MLP, Attention, RotaryEmbedding, build_norm, init_norms
 from outlier_titan.models.registry import ModelSpec, register_spec
+from outlier_titan.models.spec_options import PreLNOptions
 
 
 @dataclass
-class PreLNArgs(AttentionArgs):
+class PreLNArgs(AttentionArgs, PreLNOptions):
+    """The pre_ln spec's args: its own options (``norm``, ``embed_proj``: ``models/spec_options.py``), the attention
+    options, and the architecture below."""
+
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -58,7 +62,6 @@ class PreLNArgs(AttentionArgs):
     ffn_hidden: int | None = None  # default: 4*dim (gelu/relu) or 8/3*dim rounded up to 64 (swiglu)
     vocab_size: int = 4096
     max_seq_len: int = 1024
-    norm: str = "layernorm"
     softmax: str = "softmax"
     pos_encoding: str = "learned"
     bias: bool = True
@@ -69,7 +72,6 @@ class PreLNArgs(AttentionArgs):
     rope_theta: float = 10000.0
     rope_fraction: float = 1.0
     init_std: float = 0.02
-    embed_proj: bool = False  # OSP's learnable projection after the token embedding (models/embed_proj.py)
 
     def __post_init__(self):
         if self.n_kv_heads is None:
