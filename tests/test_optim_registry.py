@@ -1,9 +1,11 @@
 """The optimizer registry from outside the package: a toy optimizer (signSGD with momentum, Bernstein et al. 2018,
-arXiv 1802.04434) registered here trains through the trainer's entry point, the dry run reports its state bytes,
-and a checkpoint saved with it refuses a resume after one of its layout keys changed. No edit outside this file."""
+arXiv 1802.04434) registered here with an option of its own (``optimizer.signsgd_beta``) trains through the trainer's
+entry point, the dry run reports its state bytes, and a checkpoint saved with it refuses a resume after one of its
+layout keys changed. No edit outside this file."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from outlier_titan.config.job_config import OPTIMIZER_NAMES
 from outlier_titan.config.manager import parse_args
 from outlier_titan.errors import UserError
+from outlier_titan.options import opt
 from outlier_titan.optim.registry import get_optimizer, optimizer_names, register_optimizer
 from outlier_titan.parallel.dims import free_port
 from outlier_titan.parallel.planning import plan
@@ -38,8 +41,13 @@ class SignSGD(torch.optim.Optimizer):
                 p.mul_(1 - group["lr"] * group["weight_decay"]).add_(g.sign(), alpha=-group["lr"])
 
 
+@dataclasses.dataclass
+class SignSGDOptions:
+    signsgd_beta: float = opt(0.9, "signsgd: decay of the momentum buffer whose sign is the step.")
+
+
 def _signsgd(groups, cfg, seed):
-    return SignSGD(groups, lr=cfg.lr, beta=cfg.beta1, momentum=cfg.momentum)
+    return SignSGD(groups, lr=cfg.lr, beta=cfg.signsgd_beta, momentum=cfg.momentum)
 
 
 def _check(cfg):
@@ -48,7 +56,7 @@ def _check(cfg):
 
 
 register_optimizer("signsgd", _signsgd, state_bytes=lambda cfg: 4.0 if cfg.momentum else 0.0,
-                   layout_keys=("momentum",), validate=_check, replace=True)
+                   layout_keys=("momentum",), validate=_check, options=SignSGDOptions, replace=True)
 
 
 def _run(monkeypatch, tmp_path, *overrides: str) -> int:
@@ -73,6 +81,36 @@ def test_registered_names_are_the_config_choices():
     with pytest.raises(UserError, match="state_bytes must be a number >= 0"):
         register_optimizer("toy2", _signsgd, state_bytes=-1)
     assert "toy2" not in optimizer_names()
+
+
+def test_the_toy_optimizer_brings_its_own_option(tmp_path):
+    from outlier_titan.config.manager import help_text, to_toml
+    from outlier_titan.optim.builder import build_optimizer
+
+    base = ["--config", str(REPO / "train_configs/debug.toml"), "--optimizer.name", "signsgd"]
+    assert parse_args(base).optimizer.signsgd_beta == 0.9
+    cfg = parse_args(base + ["--optimizer.signsgd_beta", "0.5"])
+    assert cfg.optimizer.signsgd_beta == 0.5
+    opt_ = build_optimizer(torch.nn.Linear(4, 4), cfg.optimizer, seed=0)
+    assert isinstance(opt_, SignSGD) and {g["beta"] for g in opt_.param_groups} == {0.5}
+    (tmp_path / "c.toml").write_text(to_toml(cfg))  # a saved run config loads back with the option
+    assert parse_args(["--config", str(tmp_path / "c.toml")]).optimizer.signsgd_beta == 0.5
+    text = help_text()
+    assert "  -- options of optimizer 'signsgd':\n  --optimizer.signsgd_beta " in text
+    with pytest.raises(UserError, match="expected float"):
+        parse_args(base + ["--optimizer.signsgd_beta", "high"])
+    # the same registration again is a no-op; a key another owner has is refused, naming the fix
+    register_optimizer("signsgd", _signsgd, state_bytes=4, options=SignSGDOptions, replace=True)
+    register_optimizer("signsgd", _signsgd, state_bytes=lambda cfg: 4.0 if cfg.momentum else 0.0,
+                       layout_keys=("momentum",), validate=_check, options=SignSGDOptions, replace=True)
+
+    @dataclasses.dataclass
+    class Clash:
+        tile_size: int = opt(3, "toy: clashes with the tile engine's key.")
+
+    with pytest.raises(UserError, match=r"optimizer.tile_size already exists; .*\(e.g. toy3_tile_size\)"):
+        register_optimizer("toy3", _signsgd, state_bytes=0, options=Clash)
+    assert "toy3" not in optimizer_names()
 
 
 def test_toy_optimizer_trains_plans_and_guards_its_layout(monkeypatch, tmp_path, capsys):

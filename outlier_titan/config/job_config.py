@@ -7,10 +7,14 @@ fields mean "take the value from the model spec's flavor".
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+from outlier_titan.errors import UserError
 from outlier_titan.models import attention_variants, spec_options
-from outlier_titan.options import DATA_SOURCE_NAMES, RegisteredChoices, compose_section, opt
+from outlier_titan.optim import muon_settings
+from outlier_titan.optim.tiles import settings as tile_settings
+from outlier_titan.options import DATA_SOURCE_NAMES, OptionGroup, RegisteredChoices, compose_section, opt
 
 __all__ = ["opt", "RegisteredChoices", "JobConfig"]
 
@@ -63,7 +67,10 @@ attention variant's own (``models/attention_variants.py``); None: the owner's de
 
 
 @dataclass
-class Optimizer:
+class OptimizerCommon:
+    """The ``[optimizer]`` options every optimizer reads; an optimizer's own options (the tile engine's, Muon's, a
+    registered optimizer's) are composed in below (:data:`Optimizer`)."""
+
     name: str = opt("adamw", "Optimizer, one of the registered ones (outlier_titan.optim.registry).", OPTIMIZER_NAMES)
     lr: float = opt(3e-4, "Peak learning rate.")
     beta1: float = opt(0.9, "Adam beta1 (SGD/RMSProp: momentum).")
@@ -74,62 +81,39 @@ class Optimizer:
     no_decay: list = opt(["norm", "bias", "embedding"],
                          "Parameter classes without weight decay: any of norm, bias, embedding, gain, sink "
                          "(learned attention sink logits).")
-    tile_size: int = opt(0, "orthoadam/soap: 0 rotates every axis whole (one basis per axis up to max_precond_dim: "
-                            "the published methods; a sharded axis then needs tiles). N > 0: the shard-local tile "
-                            "variant, tiles of edge N on each parameter's global grid along the residual (never "
-                            "sharded) axis, and at most N along the sharded axis.")
-    shard_tile_size: int = opt(0, "orthoadam/soap: tile edge along the axis FSDP/TP shard (0: automatic, the "
-                                  "largest power of two <= tile_size such that max_shards tiles divide the axis).")
-    max_shards: int = opt(8, "orthoadam/soap: automatic shard_tile_size stays aligned for up to this many "
-                             "(power-of-two) shards of an axis (FSDP x TP degree); numbers equal at every such layout.")
-    tile_size_overrides: list = opt([], "orthoadam/soap: per-parameter tile edges, 'FQN_GLOB=SIZE' or "
-                                        "'FQN_GLOB:AXIS=SIZE' (last match wins), e.g. 'layers.*.wo.weight:1=64'.")
-    tile_alignment: str = opt("strict", "orthoadam/soap: a shard boundary off the tile grid fails at start-up "
-                                        "(strict) or shrinks that tile and records it in the checkpoint (adapt).",
-                              ("strict", "adapt"))
-    basis: str = opt("haar", "orthoadam: fixed bases: Haar (a random orthogonal matrix, as Kaul et al. sample "
-                             "one per parameter), randomized Hadamard (cheaper; power-of-two axes or tiles), "
-                             "Kronecker-factored Haar (haar_kron: cheaper, structured mixing), or identity "
-                             "(= AdamW; tests and ablations).", ("haar", "hadamard", "haar_kron", "identity"))
-    precondition_frequency: int = opt(10, "soap: eigenbasis refresh period (steps); with tiles staggered over "
-                                                "them (whole axes: every parameter at t % f == 0, as published).")
-    shampoo_beta: float = opt(-1.0, "soap: EMA factor of the Shampoo factors (< 0: beta2).")
-    refresh_stagger: bool = opt(True, "soap: spread refreshes over tiles (tile k when (t + k) % f == 0).")
-    soap_factor_dtype: str = opt("float64", "soap: dtype of the L/R factors (float64 keeps small-eigenvalue "
-                                            "directions above rounding noise; moments and bases stay fp32).",
-                                 ("float64", "float32"))
-    max_precond_dim: int = opt(10000, "orthoadam/soap: an axis longer than this is not rotated.")
-    vocab_axis: str = opt("tile", "orthoadam/soap: the vocabulary axis of tok_embeddings/output: rotated like "
-                                  "the other axes (tile: whole or in tiles, as tile_size says; the published "
-                                  "SOAP rotates it up to max_precond_dim) or not rotated (identity).",
-                          ("tile", "identity"))
-    one_d: str = opt("adamw", "orthoadam/soap: 1-D parameters (gains, biases): unrotated Adam, or rotated in "
-                              "tiles.", ("adamw", "rotate"))
-    # --- muon (optimizer.name = "muon"; docs/muon.md). optimizer.lr / weight_decay are Muon's; the embeddings,
-    # the output head and 1-D parameters go to AdamW with the muon_adamw_* settings below.
-    muon_momentum: float = opt(0.95, "muon: momentum of the momentum buffer.")
-    muon_nesterov: bool = opt(True, "muon: Nesterov momentum (the orthogonalised matrix is g + mu * buf).")
-    muon_ns_steps: int = opt(5, "muon: Newton-Schulz iterations.")
-    muon_ns_coefficients: list = opt(["3.4445", "-4.775", "2.0315"], "muon: quintic Newton-Schulz coefficients "
-                                                                     "(a, b, c).")
-    muon_eps: float = opt(1e-7, "muon: the Frobenius norm is clamped to at least eps before Newton-Schulz.")
-    muon_adjust_lr_fn: str = opt("original", "muon: per-matrix lr scale: sqrt(max(1, rows/cols)) (original) or "
-                                             "0.2 * sqrt(max(rows, cols)) (match_rms_adamw).",
-                                 ("original", "match_rms_adamw"))
-    muon_ns_dtype: str = opt("bfloat16", "muon: dtype of the Newton-Schulz iteration (torch.optim.Muon: bfloat16).",
-                             ("bfloat16", "float32", "float64"))
-    muon_layout: str = opt("full", "muon: a sharded matrix is orthogonalised whole (full: all-to-all to an owner "
-                                   "rank and back), in shard-local tiles of the global tile grid (block), or in "
-                                   "tiles with a full step every muon_full_every steps (block_periodic, MuonBP).",
-                           ("full", "block", "block_periodic"))
-    muon_full_every: int = opt(5, "muon: block_periodic: a full step on steps 1, 1 + k, 1 + 2k, ... (k >= 1).")
-    muon_per_head: bool = opt(False, "muon: orthogonalise each head's rows of wq/wk/wv separately.")
-    muon_adamw_lr: float = opt(3e-3, "muon: AdamW lr of the embeddings, the output head and 1-D parameters.")
-    muon_adamw_beta1: float = opt(0.9, "muon: AdamW beta1 of the non-Muon parameters.")
-    muon_adamw_beta2: float = opt(0.95, "muon: AdamW beta2 of the non-Muon parameters.")
-    muon_adamw_weight_decay: float = opt(0.1, "muon: AdamW decoupled weight decay of the non-Muon parameters "
-                                              "outside optimizer.no_decay.")
-    # --- end muon
+
+
+Optimizer = compose_section("Optimizer", OptimizerCommon, tile_settings.option_groups() + muon_settings.option_groups(),
+                            optional=False, module=__name__)
+"""The ``[optimizer]`` section as composed at import: the common options, then the tile engine's (orthoadam, soap:
+``optim/tiles/settings.py``), OrthoAdam's and SOAP's, and Muon's (``optim/muon_settings.py``). An optimizer
+registered later with options (``register_optimizer(..., options=...)``) extends it: :func:`section_class`."""
+
+_SECTIONS: dict[str, type] = {"optimizer": Optimizer}
+
+
+def section_class(name: str) -> type:
+    """The current class of a section that registrations may extend (``optimizer``)."""
+    return _SECTIONS[name]
+
+
+def add_option_group(group: OptionGroup) -> None:
+    """Composes ``group`` (an optimizer's own options) into the ``[optimizer]`` section: ``JobConfig()`` made from
+    now on has its keys, with their defaults, and ``--help`` lists them under their owner. Registering the same
+    owner and keys again is a no-op; a key another owner (or the common section) already has is a UserError."""
+    if group.section != "optimizer":
+        raise UserError(f"options of {group.label()}: only [optimizer] takes groups after import (the [model] "
+                        f"groups are composed when outlier_titan.config.job_config is imported)")
+    current = _SECTIONS["optimizer"]
+    have = {f.name: f for f in dataclasses.fields(current)}
+    keys = [f.name for f in dataclasses.fields(group.cls)]
+    if all(k in have and group.owner in have[k].metadata.get("owner", "").split(", ") for k in keys):
+        return
+    taken = [k for k in keys if k in have]
+    if taken:
+        raise UserError(f"options of {group.label()}: optimizer.{taken[0]} already exists; give the option a name "
+                        f"with the optimizer's prefix (e.g. {group.owner}_{taken[0]})")
+    _SECTIONS["optimizer"] = compose_section("Optimizer", current, [group], optional=False, module=__name__)
 
 
 @dataclass
@@ -244,7 +228,7 @@ class Observe:
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
-    optimizer: Optimizer = field(default_factory=Optimizer)
+    optimizer: Optimizer = field(default_factory=lambda: _SECTIONS["optimizer"]())
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     data: Data = field(default_factory=Data)

@@ -12,9 +12,11 @@ import torch.nn as nn
 
 from outlier_titan.config.job_config import Optimizer as OptimizerConfig
 from outlier_titan.optim.muon import build_muon, plan_muon_state
+from outlier_titan.optim.muon_settings import MuonOptions
 from outlier_titan.optim.params import trainable_params
 from outlier_titan.optim.registry import OptimizerSpec, get_optimizer, optimizer_names, register_optimizer
 from outlier_titan.optim.tile_optimizers import TILE_LAYOUT_KEYS, build_orthoadam, build_soap
+from outlier_titan.optim.tiles import settings as tile_settings
 
 __all__ = ["build_optimizer", "build_param_groups", "checked_optimizer", "get_optimizer", "optimizer_names",
            "register_optimizer"]
@@ -61,12 +63,13 @@ register_optimizer("adamw", _adamw, state_bytes=8)
 register_optimizer("adam", _adam, state_bytes=8)
 register_optimizer("sgd", _sgd, state_bytes=lambda cfg: 4.0 if cfg.momentum else 0.0)
 register_optimizer("rmsprop", _rmsprop, state_bytes=4)
-register_optimizer("orthoadam", build_orthoadam, state_bytes=8, layout_keys=(*TILE_LAYOUT_KEYS, "basis"))
+register_optimizer("orthoadam", build_orthoadam, state_bytes=8, layout_keys=(*TILE_LAYOUT_KEYS, "basis"),
+                   options=tile_settings.OrthoAdamOptions)
 register_optimizer("soap", build_soap, state_bytes=_soap_state_bytes,
-                   layout_keys=(*TILE_LAYOUT_KEYS, "soap_factor_dtype"))
+                   layout_keys=(*TILE_LAYOUT_KEYS, "soap_factor_dtype"), options=tile_settings.SOAPOptions)
 # Muon's state is a momentum buffer beside each shard whatever muon_layout, so no muon_* key changes its layout; the
 # Muon / AdamW split follows the model and no_decay (common to every optimizer).
-register_optimizer("muon", build_muon, takes_model=True, plan_state=plan_muon_state)
+register_optimizer("muon", build_muon, takes_model=True, plan_state=plan_muon_state, options=MuonOptions)
 
 
 def checked_optimizer(cfg: OptimizerConfig) -> OptimizerSpec:

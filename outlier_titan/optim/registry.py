@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from outlier_titan.config.job_config import OPTIMIZER_NAMES, Optimizer as OptimizerConfig
+from outlier_titan.config.job_config import add_option_group, section_class
 from outlier_titan.errors import UserError
+from outlier_titan.options import OptionGroup
 
 COMMON_LAYOUT_KEYS = ("no_decay",)
 """Keys that change every optimizer's state layout: the decay / no-decay parameter groups."""
@@ -49,21 +51,31 @@ class OptimizerSpec:
 
 
 _REGISTRY: dict[str, OptimizerSpec] = {}
-_FIELDS = {f.name for f in dataclasses.fields(OptimizerConfig)}
+
+
+def _fields() -> set[str]:
+    """The ``[optimizer]`` keys now (registrations with options add some)."""
+    return {f.name for f in dataclasses.fields(section_class("optimizer"))}
 
 
 def register_optimizer(name: str, factory: Callable[..., Any], *, state_bytes: StateBytes | None = None,
                        layout_keys: tuple[str, ...] | list[str] = (), validate: Callable | None = None,
                        takes_model: bool = False, plan_state: Callable | None = None,
-                       replace: bool = False) -> OptimizerSpec:
+                       options: type | None = None, replace: bool = False) -> OptimizerSpec:
     """Makes ``name`` usable as ``optimizer.name`` (config, ``--help``, dry run, resume check). The dry run needs
-    ``state_bytes`` or ``plan_state``; ``layout_keys`` are fields of the ``[optimizer]`` section; ``replace``
-    allows registering a name again."""
+    ``state_bytes`` or ``plan_state``; ``layout_keys`` are fields of the ``[optimizer]`` section; ``options``: a
+    dataclass of the optimizer's own options declared with ``outlier_titan.options.opt`` (names prefixed with the
+    optimizer's name), composed into ``[optimizer]`` (TOML, ``--optimizer.KEY``, ``--help``) for configs made
+    afterwards; ``replace`` allows registering a name again."""
     if not name or not name.replace("_", "").isalnum():
         raise UserError(f"optimizer name {name!r} must be letters, digits and underscores")
     if name in _REGISTRY and not replace:
         raise UserError(f"optimizer {name!r} is already registered; pick another name or pass replace=True")
-    unknown = [k for k in layout_keys if k not in _FIELDS]
+    if options is not None and not dataclasses.is_dataclass(options):
+        raise UserError(f"optimizer {name!r}: options must be a dataclass whose fields are declared with "
+                        f"outlier_titan.options.opt")
+    own = {f.name for f in dataclasses.fields(options)} if options is not None else set()
+    unknown = [k for k in layout_keys if k not in _fields() | own]
     if unknown:
         raise UserError(f"optimizer {name!r}: layout key(s) {', '.join(unknown)} are not [optimizer] options; "
                         f"use field names of outlier_titan.config.job_config.Optimizer")
@@ -72,6 +84,8 @@ def register_optimizer(name: str, factory: Callable[..., Any], *, state_bytes: S
     if not (state_bytes is None or callable(state_bytes)
             or (isinstance(state_bytes, (int, float)) and state_bytes >= 0)):
         raise UserError(f"optimizer {name!r}: state_bytes must be a number >= 0 or a function of the config")
+    if options is not None:
+        add_option_group(OptionGroup("optimizer", "optimizer", name, options))
     spec = OptimizerSpec(name, factory, state_bytes, tuple(layout_keys), validate, takes_model, plan_state)
     _REGISTRY[name] = spec
     if name not in OPTIMIZER_NAMES:

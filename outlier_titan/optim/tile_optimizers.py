@@ -11,6 +11,7 @@ description both read it.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Iterator
 
@@ -23,12 +24,13 @@ from outlier_titan.optim.soap import SOAP
 from outlier_titan.optim.tiles.base import TileAdamBase
 from outlier_titan.optim.tiles.options import EngineOptions
 from outlier_titan.optim.tiles.plan import ParamPlan
+from outlier_titan.optim.tiles.settings import TileOptions
 
 TILE_OPTIMIZERS: dict[str, type[TileAdamBase]] = {"orthoadam": OrthoAdam, "soap": SOAP}
 
-TILE_LAYOUT_KEYS = ("tile_size", "shard_tile_size", "max_shards", "tile_size_overrides", "tile_alignment",
-                    "max_precond_dim", "vocab_axis", "one_d")
-"""The engine options that change a tile optimizer's state layout (its registration's checkpoint layout keys)."""
+TILE_LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(TileOptions))
+"""The engine options (``optim/tiles/settings.py``), each of which changes a tile optimizer's state layout (its
+registration's checkpoint layout keys)."""
 
 
 def engine_options(cfg: OptimizerConfig) -> EngineOptions:
