@@ -180,3 +180,10 @@ def test_dry_run_applies_the_registration_s_validation():
                       "--optimizer.name", "signsgd", "--optimizer.lr", "0.5"])
     with pytest.raises(UserError, match=r"signsgd: optimizer.lr must be <= 0.1, got 0.5"):
         plan(cfg)
+
+
+def test_the_basis_choices_are_the_bases():
+    from outlier_titan.optim.bases import REPRESENTATIONS
+    from outlier_titan.optim.tiles.settings import BASES
+
+    assert sorted(BASES) == sorted(REPRESENTATIONS)
