@@ -1,8 +1,11 @@
 """The job configuration: one dataclass per section, each field with a default and a one-line help.
 
 Fields are declared with :func:`opt`; the manager reads the help text and the allowed choices from the
-field metadata to build ``--help``, convert CLI strings and validate values. ``None`` defaults on model
-fields mean "take the value from the model spec's flavor".
+field metadata to build ``--help``, convert CLI strings and validate values. ``[model]`` and ``[optimizer]`` are
+composed: their common fields are declared here, every other field by its owner (a model spec, an attention variant,
+an optimizer) in a light module of that component (``outlier_titan.options``; docs/configuration.md, "Who owns an
+option"). ``None`` defaults on model fields mean "take the value from the model spec's flavor" (or the owner's
+default).
 """
 
 from __future__ import annotations
@@ -15,8 +18,6 @@ from outlier_titan.models import attention_variants, spec_options
 from outlier_titan.optim import muon_settings
 from outlier_titan.optim.tiles import settings as tile_settings
 from outlier_titan.options import DATA_SOURCE_NAMES, OptionGroup, RegisteredChoices, compose_section, opt
-
-__all__ = ["opt", "RegisteredChoices", "JobConfig"]
 
 OPTIMIZER_NAMES = RegisteredChoices()
 
@@ -113,7 +114,9 @@ def add_option_group(group: OptionGroup) -> None:
     if taken:
         raise UserError(f"options of {group.label()}: optimizer.{taken[0]} already exists; give the option a name "
                         f"with the optimizer's prefix (e.g. {group.owner}_{taken[0]})")
-    _SECTIONS["optimizer"] = compose_section("Optimizer", current, [group], optional=False, module=__name__)
+    global Optimizer  # the module's name for the class follows (pickle finds the current class by it)
+    Optimizer = _SECTIONS["optimizer"] = compose_section("Optimizer", current, [group], optional=False,
+                                                         module=__name__)
 
 
 @dataclass

@@ -36,10 +36,9 @@ registration's checkpoint layout keys)."""
 def engine_options(cfg: OptimizerConfig) -> EngineOptions:
     """Engine options from the config. The registry's optimizers are stepped by the trainer, which skips
     non-finite steps itself (one reduced grad norm), so the engine's own flag all-reduce is not repeated."""
-    return EngineOptions(tile_size=cfg.tile_size, shard_tile_size=cfg.shard_tile_size,
-                         max_shards=cfg.max_shards, tile_size_overrides=tuple(cfg.tile_size_overrides),
-                         tile_alignment=cfg.tile_alignment, vocab_axis=cfg.vocab_axis, one_d=cfg.one_d,
-                         max_precond_dim=cfg.max_precond_dim, nonfinite_guard=False)
+    values = {k: getattr(cfg, k) for k in TILE_LAYOUT_KEYS}  # every key of the engine's group
+    values["tile_size_overrides"] = tuple(values["tile_size_overrides"])
+    return EngineOptions(**values, nonfinite_guard=False)
 
 
 def build_orthoadam(groups: list[dict], cfg: OptimizerConfig, seed: int) -> OrthoAdam:
