@@ -40,9 +40,9 @@ def test_token_formula_matches_a_plain_float64_reference():
 
 
 def _model(**kw):
+    kw = {"tie_embeddings": False, **kw}
     m = PreLNTransformer(PreLNArgs(dim=16, n_layers=2, n_heads=2, vocab_size=32, max_seq_len=8, norm="rmsnorm",
-                                   pos_encoding="rope", mlp="swiglu", bias=False, tie_embeddings=False,
-                                   **kw)).double()
+                                   pos_encoding="rope", mlp="swiglu", bias=False, **kw)).double()
     m.init_weights(Initializer(3, "cpu"))
     with torch.no_grad():  # make the channels unequal, so the kurtosis is not clipped to 0 everywhere
         m.tok_embeddings.weight[:, 0] *= 8
@@ -96,10 +96,12 @@ def test_each_token_alone_over_every_hidden_state_matches_the_reference(embed_pr
     assert in_context != pytest.approx(got["osp_kurtosis_layer_1"], rel=1e-6)
 
 
-def test_embedding_projection_is_quantised_as_the_merged_model():
+@pytest.mark.parametrize("tie", [False, True])
+def test_embedding_projection_is_quantised_as_the_merged_model(tie):
     """The projection is folded into the embedding on export, so the 4-bit schemes leave it (and its input, the
-    embedding) in full precision, and the QuaRot rotation keeps the function of a model that has it."""
-    m = _model(embed_proj=True)
+    embedding) in full precision, and the QuaRot rotation keeps the function of a model that has it (a tied head
+    reads the unprojected embedding)."""
+    m = _model(embed_proj=True, tie_embeddings=tie)
     with torch.no_grad():
         m.embed_proj.weight.add_(0.3 * torch.randn(16, 16, generator=torch.Generator().manual_seed(2),
                                                    dtype=torch.float64))
