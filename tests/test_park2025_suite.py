@@ -89,7 +89,8 @@ def _rows(out: Path) -> dict[str, dict[str, str]]:
 def test_park2025_smoke_report_comes_from_the_runs(tmp_path):
     sweep_dir, out = tmp_path / "sweep", tmp_path / "report"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce.py"), "--suite", "park2025", "--scale",
-                           "smoke", "--sweep-dir", str(sweep_dir), "--out", str(out)], capture_output=True, text=True,
+                           "smoke", "--sweep-dir", str(sweep_dir), "--out", str(out), "--parallel", "2"],
+                          capture_output=True, text=True,
                           timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(out)
