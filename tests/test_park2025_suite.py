@@ -69,6 +69,9 @@ def test_park_verdicts_follow_the_spread_over_seeds():
     got = _verdicts(osp_kurtosis={"adam": [100, 140, 120], "osp": [5, 40, 20]},
                     final_val_loss={"osp_block_periodic": [4.21, 3.95, 4.11]})
     assert got[0] == got[7] == "inconclusive at this scale"
+    # a lower loss holds the loss claims (one-sided): OSP 20 % below Adam on every seed
+    claims = claims_park2025(_groups(**_base(final_val_loss={"osp": [3.2, 3.3, 3.1]})))
+    assert claims[6][1] == "reproduced" and "-20" in claims[6][2]
     # no effect to remove: Adam's excess kurtosis near 0 and its neuron-RMS kurtosis near 1; no 4-bit damage
     claims = claims_park2025(_groups(**_base(osp_kurtosis={"adam": [0.2, 0.3, 0.1]},
                                                 kurtosis_neuron_rms={"adam": [1.2, 1.3, 1.1]},
