@@ -51,4 +51,8 @@ def markdown(report: dict[str, Any]) -> str:
     if rows:
         lines += ["", "| probe metric (mean over layers) | value |", "|---|---|"]
         lines += [f"| {k} | {v:.4g} |" for k, v in rows]
+    osp = (report.get("osp_kurtosis") or {}).get("osp_kurtosis")
+    if osp is not None:
+        lines += ["", f"Excess kurtosis as Park et al. 2025's script computes it (each probe token alone, every "
+                      f"hidden state; observe/osp_kurtosis.py): {osp:.4g}"]
     return "\n".join(lines) + "\n"

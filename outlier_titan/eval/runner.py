@@ -16,6 +16,7 @@ from tqdm import tqdm
 from outlier_titan.config.job_config import Observe
 from outlier_titan.eval.perplexity import perplexity
 from outlier_titan.eval.report import scheme_entry
+from outlier_titan.observe.osp_kurtosis import osp_excess_kurtosis
 from outlier_titan.observe.probe import OutlierProbe
 from outlier_titan.quant.ptq import SCHEMES, check_schemes, get_scheme, quantized
 
@@ -63,5 +64,7 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
         "full_precision": {"ppl": fp.ppl, "loss": fp.loss},
         "schemes": entries,
         "probe": probe_scalars,
+        # Park et al. 2025's excess kurtosis as their released script computes it (each probe token alone)
+        "osp_kurtosis": osp_excess_kurtosis(model, [t.to(device) for t in probe_tokens]),
     }
     return report, images

@@ -199,10 +199,13 @@ def kv_quantizer(bits: int, group: int | None, rotation: torch.Tensor | None = N
 
 
 def linear_targets(model: nn.Module, include_head: bool) -> dict[str, nn.Linear]:
-    """The linear layers a scheme quantises: every ``nn.Linear``, the top-level ``output`` head only if asked."""
+    """The linear layers a scheme quantises: every ``nn.Linear``, the top-level ``output`` head only if asked. The
+    embedding projection (``model.embed_proj``) is not one: it is folded into the embedding on export, so the
+    deployed model has no such layer, and the embedding it reads stays in full precision as the folded one would."""
     head = getattr(model, "output", None)
+    proj = getattr(model, "embed_proj", None)
     return {name: m for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and (include_head or m is not head)}
+            if isinstance(m, nn.Linear) and (include_head or m is not head) and m is not proj}
 
 
 def residual_stream_points(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:

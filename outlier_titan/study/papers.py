@@ -139,4 +139,33 @@ SINKS = SuiteInfo(
     extra_probe=("sink_rate", "massive_ratio", "value_drain"),
 )
 
-SUITE_INFO = {"kaul2024": KAUL, "he2024": HE, "franke2025": FRANKE, "sinks2025": SINKS}
+# --- park2025 (Outlier-Safe Pre-Training) ---
+# Park et al. 2025 (arXiv 2506.19697): the abstract's excess kurtosis 0.04 (OSP) against 1818.56 (Adam), and the
+# ablation rows of the 1.4B models trained on 100B tokens as the authors' repository (dmis-lab/
+# Outlier-Safe-Pre-Training, README "Ablation Models") lists them: excess kurtosis as their evaluate_kurtosis.py
+# computes it, and the 4-4-4 (W4A4KV4) perplexity without Hadamard rotation. Our rows are selected by job.name.
+PARK = SuiteInfo(
+    title="park2025: Outlier-Safe Pre-Training (Muon, single-scale RMSNorm, embedding projection) against outliers",
+    citation="Park et al., Outlier-Safe Pre-Training for Robust 4-Bit Quantization of Large Language Models, ACL "
+             "2025 (arXiv 2506.19697)",
+    metrics={"final_val_loss": "val loss", "ppl": "PPL", "osp_kurtosis": "excess kurtosis (OSP script)",
+             "kurtosis_neuron_rms": "kurtosis (neuron RMS, final)", "ppl_w4a4kv4_rtn": "PPL W4A4KV4 RTN",
+             "d_w4a4kv4_rtn": "Δppl W4A4KV4 RTN", "d_w4a4kv4_rtn_hadamard": "Δppl W4A4KV4 RTN + Hadamard"},
+    rows=[
+        PaperRow("1.4B, 100B tokens, Adam", {"job.name": "adam"}, dict(osp_kurtosis=1818.56, ppl_w4a4kv4_rtn=8e4),
+                 "abstract; repository README ablation table"),
+        PaperRow("1.4B, 100B tokens, Muon", {"job.name": "muon"}, dict(osp_kurtosis=1575.12, ppl_w4a4kv4_rtn=1e4),
+                 "repository README ablation table"),
+        PaperRow("1.4B, 100B tokens, Muon + SSNorm", {"job.name": "muon_ssnorm"},
+                 dict(osp_kurtosis=66.69, ppl_w4a4kv4_rtn=44.2), "repository README ablation table"),
+        PaperRow("1.4B, 100B tokens, Muon + SSNorm + EmbProj (OSP)", {"job.name": "osp"},
+                 dict(osp_kurtosis=0.04, ppl_w4a4kv4_rtn=19.6), "abstract; repository README ablation table"),
+    ],
+    schemes=("w4a4kv4_rtn", "w4a4kv4_rtn_hadamard"),
+    kurtosis="kurtosis_neuron_rms",
+    extra_probe=("kurtosis_rest",),
+)
+# --- end park2025 ---
+
+SUITE_INFO = {"kaul2024": KAUL, "he2024": HE, "franke2025": FRANKE, "sinks2025": SINKS,
+              "park2025": PARK}

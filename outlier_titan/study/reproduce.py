@@ -133,6 +133,8 @@ def ours(suite: str, rows: list[dict[str, Any]], sweep_dir: Path, manifest: dict
         r["d_int8_coarse"] = r.get("ptq_delta_ppl_int8_coarse")
         r["d_w8a8"] = r.get("ptq_delta_ppl_w8a8_static")
         r["tokens_per_step"] = e["tokens"] // e["steps"]
+    if suite == "park2025":
+        ours_park(rows)
     if suite == "franke2025":
         for r in rows:
             r["speedup"] = r["step_time_ratio"] = r["tokens_to_target"] = None
@@ -314,8 +316,92 @@ def claims_sinks(groups: list[dict[str, Any]]) -> list[Claim]:
     return out
 
 
+# --- park2025 (Outlier-Safe Pre-Training, Park et al. 2025) ---
+
+PARK_KURTOSIS_FLOOR = 1.0
+"""The OSP script's excess kurtosis of a point counts as an outlier effect when its t-interval lies above 1 (a
+Gaussian token gives 0; one dominant channel of D gives about D - 3); below that a ratio compares noise."""
+PARK_K = 5.0
+"""Every kurtosis claim asks for a factor of 5 (the paper's factors are far larger: Adam / OSP 1818.56 / 0.04,
+Muon / Muon + SSNorm 1575.12 / 66.69, Muon + SSNorm / OSP 66.69 / 0.04)."""
+PARK_LOSS_TOL = 0.02
+
+
+def ours_park(rows: list[dict[str, Any]]) -> None:
+    """park2025's own columns (in place): the OSP script's excess kurtosis of the evaluation, and per 4-bit scheme
+    its Δppl and quantised PPL (the paper prints the quantised PPL)."""
+    for r in rows:
+        r["osp_kurtosis"] = r.get("eval_osp_kurtosis")
+        for scheme in ("w4a4kv4_rtn", "w4a4kv4_rtn_hadamard"):
+            d = r.get(f"ptq_delta_ppl_{scheme}")
+            r[f"d_{scheme}"] = d
+            r[f"ppl_{scheme}"] = r["ppl"] + d if d is not None and r.get("ppl") is not None else None
+
+
+def _park_ratio_claim(text: str, a: dict | None, b: dict | None, key: str, floor: float, what: str) -> Claim:
+    """``key(a) ≥ PARK_K × key(b)``; cannot be tested where ``a`` itself shows no effect (its interval not above
+    ``floor``)."""
+    ea, eb = _get(a, key), _get(b, key)
+    if ea is None or eb is None:
+        return text, stats.MISSING, "a point or its metric is missing"
+    if not stats.effect_present(ea, floor):
+        return text, stats.UNTESTABLE, (f"{what} {ea.text()} is not above {floor:g} (t-interval over seeds): no "
+                                        f"outliers for the remedy to remove; the remedy's {eb.text()}")
+    return (text, *stats.ratio_verdict(ea, eb, PARK_K))
+
+
+def _park_loss_claim(text: str, base: dict | None, other: dict | None) -> Claim:
+    """``other`` costs at most PARK_LOSS_TOL of ``base``'s final validation loss (one-sided: the claims are "without
+    sacrificing performance" and "keeps full Muon's loss"; a lower loss holds them): the relative change, paired by
+    seed, with its t-interval; reproduced when the interval lies below +PARK_LOSS_TOL, not reproduced when it lies
+    wholly above."""
+    d = _paired_relative(base, other, "final_val_loss") if base and other else None
+    if d is None:
+        return text, stats.MISSING, "the val losses of both points at the same seeds are missing"
+    iv = stats.interval(d)
+    detail = f"val loss change {d.mean:+.2%} ± {(d.sd or 0):.2%}"
+    if iv is None:
+        return text, stats.INCONCLUSIVE, detail + " (one seed: no interval)"
+    lo, hi = iv
+    detail += f", 95% interval [{lo:+.2%}, {hi:+.2%}] (paired by seed, t), needed ≤ {PARK_LOSS_TOL:+.0%}"
+    v = stats.REPRODUCED if hi <= PARK_LOSS_TOL else stats.NOT_REPRODUCED if lo > PARK_LOSS_TOL else stats.INCONCLUSIVE
+    return text, v, detail
+
+
+def claims_park2025(groups: list[dict[str, Any]]) -> list[Claim]:
+    """Park et al. 2025's claims on the suite's settings (selected by ``job.name``): the OSP recipe removes the
+    kurtosis Adam grows (both measures), SSNorm and EmbProj each take a step of it, its 4-bit damage is small
+    against Adam's, at Adam's loss; and MuonBP's claim that block steps with periodic full ones keep full Muon's
+    loss (Khaled et al. 2025)."""
+    g = {name: select(groups, {"job.name": name}) for name in ("adam", "muon", "muon_ssnorm", "osp",
+                                                                 "osp_block_periodic")}
+    k = f"{PARK_K:g}"
+    out = [
+        _park_ratio_claim(f"excess kurtosis (OSP script): Adam ≥ {k}× the OSP recipe's (Muon + SSNorm + EmbProj)",
+                          g["adam"], g["osp"], "osp_kurtosis", PARK_KURTOSIS_FLOOR, "Adam's excess kurtosis"),
+        _park_ratio_claim(f"neuron-RMS kurtosis (final): Adam ≥ {k}× the OSP recipe's", g["adam"], g["osp"],
+                          "kurtosis_neuron_rms", PARK_K, "Adam's neuron-RMS kurtosis (≥ 1 by definition)"),
+        _park_ratio_claim(f"SSNorm's step (OSP script's kurtosis): Muon ≥ {k}× Muon + SSNorm", g["muon"],
+                          g["muon_ssnorm"], "osp_kurtosis", PARK_KURTOSIS_FLOOR, "Muon's excess kurtosis"),
+        _park_ratio_claim(f"EmbProj's step (OSP script's kurtosis): Muon + SSNorm ≥ {k}× Muon + SSNorm + EmbProj",
+                          g["muon_ssnorm"], g["osp"], "osp_kurtosis", PARK_KURTOSIS_FLOOR,
+                          "Muon + SSNorm's excess kurtosis"),
+        _ptq_claim("W4A4KV4 RTN Δppl of the OSP recipe below a third of Adam's", g["adam"], g["osp"],
+                   "d_w4a4kv4_rtn", 3),
+        _ptq_claim("W4A4KV4 RTN + Hadamard (QuaRot) Δppl of the OSP recipe below a third of Adam's", g["adam"],
+                   g["osp"], "d_w4a4kv4_rtn_hadamard", 3),
+        _park_loss_claim(f"the OSP recipe's val loss at most {PARK_LOSS_TOL:.0%} above Adam's", g["adam"], g["osp"]),
+        _park_loss_claim(f"MuonBP: block_periodic Muon's val loss at most {PARK_LOSS_TOL:.0%} above full Muon's (OSP "
+                         f"recipe; Khaled et al. 2025)", g["osp"], g["osp_block_periodic"]),
+    ]
+    return out
+
+# --- end park2025 ---
+
+
 CLAIMS: dict[str, Callable[[list[dict[str, Any]]], list[Claim]]] = {  # on the groups of :func:`aggregate`
     "kaul2024": claims_kaul, "he2024": claims_he, "franke2025": claims_franke, "sinks2025": claims_sinks}
+CLAIMS["park2025"] = claims_park2025
 
 
 # ------------------------------------------------------------------------------------------------ figures

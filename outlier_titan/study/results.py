@@ -6,7 +6,8 @@ Column contract of the collected table (``SWEEP_DIR/results.csv``, ``.md``, ``.p
 ``best_val_loss``, ``final_train_loss``, ``wall_s``, ``tokens_per_s``; when the probe ran, ``final_<metric>``
 and ``peak_<metric>`` (maximum over probe steps) for each metric of :data:`PROBE_METRICS`; when
 ``scripts/evaluate.py`` ran on the point (``<run>/eval/step-<N>.json``, newest step), ``ptq_delta_ppl_<scheme>``
-and, for schemes calibrated at several seeds, ``ptq_calib_sd_<scheme>`` (the sd of the PPL over calibration seeds).
+and, for schemes calibrated at several seeds, ``ptq_calib_sd_<scheme>`` (the sd of the PPL over calibration seeds),
+and ``eval_osp_kurtosis`` (Park et al. 2025's excess kurtosis of the evaluation's probe sequences).
 Every point of the manifest is one row, in manifest order; missing values are empty.
 """
 
@@ -84,6 +85,9 @@ def point_row(sweep_dir: Path, entry: dict[str, Any], axes: list[str]) -> dict[s
             row[f"final_{m}"] = series[-1]
             row[f"peak_{m}"] = max(series)
     report = _newest_eval(folder)
+    osp = (report or {}).get("osp_kurtosis", {})
+    if _num(osp.get("osp_kurtosis")) is not None:  # Park et al. 2025's measure (observe/osp_kurtosis.py)
+        row["eval_osp_kurtosis"] = _num(osp["osp_kurtosis"])
     for e in (report or {}).get("schemes", []):
         row[f"ptq_delta_ppl_{e['scheme']}"] = _num(e.get("delta"))
         if len(e.get("ppl_runs", [])) > 1:  # calibrated schemes: the spread over calibration seeds
@@ -115,6 +119,7 @@ def collect(sweep_dir: str | Path, manifest: dict[str, Any]) -> tuple[list[str],
     for prefix in ("final_", "peak_"):
         extra += [f"{prefix}{m}" for m in PROBE_METRICS if any(f"{prefix}{m}" in r for r in rows)]
     ptq = sorted({k for r in rows for k in r if k.startswith("ptq_delta_ppl_")})
+    extra += ["eval_osp_kurtosis"] if any("eval_osp_kurtosis" in r for r in rows) else []
     return columns + extra + ptq, rows
 
 
