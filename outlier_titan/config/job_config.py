@@ -225,7 +225,8 @@ class Data:
     source: str = opt("embedded", "Corpus: 'embedded' (this Python's stdlib source), a file/folder of "
                                   ".txt/.jsonl/.parquet, an HF dataset name (c4, fineweb), or the synthetic "
                                   "Bigram-Backcopy task 'bigram_backcopy[:states=64,triggers=3,alpha=0.2,seed=0]'.")
-    tokenizer: str = opt("embedded", "'embedded' (shipped BPE), a tiktoken BPE rank file, or tiktoken:<encoding>.")
+    tokenizer: str = opt("embedded", "'embedded' (shipped BPE), 'bytes' (256 byte tokens, no merges; for "
+                                     "bigram_backcopy), a tiktoken BPE rank file, or tiktoken:<encoding>.")
     text_field: str = opt("text", "Field with the text in jsonl/parquet/HF records.")
     val_fraction: float = opt(0.02, "Fraction of documents (by file) held out for validation.")
     cache_dir: str = opt("", "Folder for tokenized-corpus caches; empty = $OUTLIER_TITAN_CACHE or "
