@@ -677,9 +677,13 @@ def gpu_dry_run(suite: str, tokenizer: str | None, mfu: float, peak_tflops: floa
             text = path.read_text()
             base = (path.parent / tomllib.loads(text)["base"]).resolve()
             lines = [f'base = "{base}"' if ln.startswith("base =") else ln for ln in text.splitlines()]
-            if any(ln.strip() == "[fixed]" for ln in lines):
-                raise UserError(f"{path} has a [fixed] table; set data.tokenizer there instead of --tokenizer")
-            lines += ["[fixed]", f'"data.tokenizer" = "{tokenizer}"']
+            fixed = [i for i, ln in enumerate(lines) if ln.strip() == "[fixed]"]
+            if any(re.match(r'^\s*"?data\.tokenizer"?\s*=', ln) for ln in lines):
+                raise UserError(f"{path} sets data.tokenizer itself; drop --tokenizer")
+            if fixed:  # into the file's own [fixed] table
+                lines.insert(fixed[0] + 1, f'"data.tokenizer" = "{tokenizer}"')
+            else:
+                lines += ["[fixed]", f'"data.tokenizer" = "{tokenizer}"']
             path = Path(tmp) / path.name
             path.write_text("\n".join(lines) + "\n")
         try:
