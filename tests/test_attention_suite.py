@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from outlier_titan.observe.logger import read_metrics
-from outlier_titan.study.reproduce import aggregate, claims_sinks, fmt
+from outlier_titan.study.reproduce import aggregate, claims_sinks, fmt, sinks_table
 from outlier_titan.study.stats import VERDICTS, estimate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,6 +78,13 @@ def test_sinks_verdicts_per_remedy_and_optimizer_follow_the_spread_over_seeds():
     shares_got = _by(claims, "first-token argmax share")  # the second measure: the baseline has that sink
     assert shares_got["softpick", "orthoadam"][0] == "reproduced"
     assert all(v == "reproduced" for v, _ in shares_got.values())
+    table = {tuple(c.strip() for c in ln.strip("|").split("|")[:2]): ln for ln in sinks_table(_groups(rates, losses,
+                                                                                                       shares))[2:]}
+    assert len(table) == 6 and "(baseline)" in table["softmax", "orthoadam"]
+    assert "| 0.003333 ± 0.0058 (removed) | 0.003333 ± 0.0058 (removed) | 2.2 ± 0 | +10.00% ± 0.00% |" in \
+        table["softpick", "adam"]
+    assert "(kept)" in table["relu", "adam"] and "(inside the noise)" in table["sigmoid", "adam"]
+    assert "0 ± 0 (no baseline sink)" in table["softpick", "orthoadam"]
 
 
 def test_sinks_verdicts_of_a_suite_without_an_optimizer_axis():
