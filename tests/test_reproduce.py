@@ -106,7 +106,7 @@ def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path):
 @pytest.mark.slow
 def test_gpu_dry_run_lists_the_papers_runs_on_1_and_8_gpus():
     expected = {"kaul2024": (8, "orthoadam_softmax1_rmsnorm_single"), "he2024": (8, "op_soap"),
-                "franke2025": (3, "angpt")}
+                "franke2025": (3, "angpt"), "sinks2025": (18, "orthoadam_softpick")}
     for suite, (count, name) in expected.items():
         proc = _run("--suite", suite, "--scale", "gpu", "--dry-run", "--tokenizer",
                     str(EMBEDDED_BPE), timeout=300)

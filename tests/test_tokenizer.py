@@ -135,3 +135,11 @@ def test_asset_is_reproducible_from_the_trainer_format(tmp_path):
     out = tmp_path / "copy.tiktoken"
     write_bpe_file(sorted(ranks, key=ranks.__getitem__), out)
     assert out.read_bytes() == Path(EMBEDDED_BPE).read_bytes()
+
+
+def test_bytes_tokenizer_is_the_256_bytes_without_merges_and_eos_256():
+    tok = build_tokenizer("bytes")
+    assert (tok.vocab_size, tok.eos_id, tok.name) == (257, 256, "bytes")
+    text = "a\u00e9 <|endoftext|>"
+    assert tok.encode(text) == list(text.encode("utf-8"))  # one id per byte, the literal EOS as text
+    assert tok.decode(tok.encode(text)) == text

@@ -151,7 +151,8 @@ class Data:
                                   "outlier_titan.data.sources (embedded: this Python's stdlib source; HF datasets; "
                                   "the synthetic task 'bigram_backcopy[:states=64,triggers=3,alpha=0.2,seed=0]').",
                       names=DATA_SOURCE_NAMES)
-    tokenizer: str = opt("embedded", "'embedded' (shipped BPE), a tiktoken BPE rank file, or tiktoken:<encoding>.")
+    tokenizer: str = opt("embedded", "'embedded' (shipped BPE), 'bytes' (256 byte tokens, no merges; for "
+                                     "bigram_backcopy), a tiktoken BPE rank file, or tiktoken:<encoding>.")
     text_field: str = opt("text", "Field with the text in jsonl/parquet/HF records.")
     val_fraction: float = opt(0.02, "Fraction of documents (by file) held out for validation.")
     cache_dir: str = opt("", "Folder for tokenized-corpus caches; empty = $OUTLIER_TITAN_CACHE or "

@@ -6,6 +6,9 @@ Three ways to get one (``data.tokenizer``):
   library, shipped as package data ``outlier_titan/assets/tokenizer/stdlib_bpe.tiktoken`` (no network needed);
 * a path to a tiktoken BPE rank file: one ``<base64 token> <rank>`` per line, ranks 0..n-1 (the format of
   ``tiktoken.load.load_tiktoken_bpe``; Llama-3's ``tokenizer.model`` is such a file);
+* ``"bytes"``: the 256 single-byte tokens and no merges (vocabulary 257 with ``<|endoftext|>`` = 256); for the
+  synthetic Bigram-Backcopy task (``data.source = "bigram_backcopy"``), which uses only token ids below the
+  end-of-text id, so the model's vocabulary axis stays small (Guo et al. 2024 train on a small vocabulary too);
 * ``"tiktoken:<name>"``: a named tiktoken encoding (e.g. ``cl100k_base``); tiktoken downloads it once, so this works
   offline only when tiktoken's cache already has it.
 
@@ -164,8 +167,15 @@ def planning_vocab(spec: str) -> tuple[int, str]:
         return NAMED_VOCAB_SIZES[name], f"{name}, not cached here: its published vocabulary"
 
 
+def byte_tokenizer() -> Tokenizer:
+    """The 256 single-byte tokens without merges and ``<|endoftext|>`` = 256."""
+    return tokenizer_from_ranks({bytes([b]): b for b in range(256)}, name="bytes", fingerprint="bytes:256")
+
+
 def build_tokenizer(spec: str) -> Tokenizer:
-    """``"embedded"``, a BPE rank file path, or ``"tiktoken:<name>"`` (see the module docstring)."""
+    """``"embedded"``, ``"bytes"``, a BPE rank file path, or ``"tiktoken:<name>"`` (see the module docstring)."""
+    if spec == "bytes":
+        return byte_tokenizer()
     if spec == "embedded":
         if not EMBEDDED_BPE.is_file():
             raise DataError(f"data.tokenizer: the shipped BPE file {EMBEDDED_BPE} is missing; reinstall the package "
@@ -175,6 +185,6 @@ def build_tokenizer(spec: str) -> Tokenizer:
         return _named_encoding(spec.split(":", 1)[1])
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise DataError(f"data.tokenizer: {spec!r} is not a file; pass 'embedded', a tiktoken BPE rank file "
-                        "or tiktoken:<encoding>")
+        raise DataError(f"data.tokenizer: {spec!r} is not a file; pass 'embedded', 'bytes', a tiktoken BPE rank "
+                        "file or tiktoken:<encoding>")
     return load_bpe_file(path)

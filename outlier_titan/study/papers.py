@@ -118,8 +118,11 @@ FRANKE = SuiteInfo(
     kurtosis="kurtosis_rest",
 )
 
-# The attention-sink remedies (docs/attention.md). Paper numbers only where the paper's abstract states them:
-# softpick's 0 % sink rate (340M and 1.8B) and sigmoid attention's absence of sinks (Gu et al., up to 1B).
+# The attention-sink remedies (docs/attention.md). Paper numbers only where checked: softpick's 0 % sink rate
+# (340M and 1.8B) and sigmoid attention's absence of sinks (Gu et al., up to 1B), both from the abstracts, and
+# Kaul et al.'s %First (the first token's share of the largest activations) of the four softmax / softmax-1 x
+# Adam / OrthoAdam models of Table 2 (the same rows as the kaul2024 suite; their norm is single-scale RMSNorm,
+# ours the debug model's LayerNorm).
 SINKS = SuiteInfo(
     title="sinks2025: attention-sink remedies side by side (softmax-1, sink logit, gates, softpick, sigmoid, ReLU, "
           "clipped softmax)",
@@ -133,6 +136,16 @@ SINKS = SuiteInfo(
                  "Zuhri et al. 2025, abstract (0 % sink rate)"),
         PaperRow("sigmoid attention without normalisation, up to 1B", {"model.attention": "sigmoid"},
                  dict(sink_rate=0.0), "Gu et al. 2024, abstract (no attention sink emerges)"),
+        PaperRow("GPT2 130M, Adam, softmax (RMSNorm-S)", {"optimizer.name": "adam", "model.attention": "softmax"},
+                 dict(first_share=0.527), "Kaul et al. 2024 (arXiv 2410.17174), Table 2 row 5"),
+        PaperRow("GPT2 130M, Adam, softmax-1 (RMSNorm-S)", {"optimizer.name": "adam", "model.attention": "softmax1"},
+                 dict(first_share=0.024), "Kaul et al. 2024, Table 2 row 6"),
+        PaperRow("GPT2 130M, OrthoAdam, softmax (RMSNorm-S)",
+                 {"optimizer.name": "orthoadam", "model.attention": "softmax"}, dict(first_share=0.424),
+                 "Kaul et al. 2024, Table 2 row 7"),
+        PaperRow("GPT2 130M, OrthoAdam, softmax-1 (RMSNorm-S)",
+                 {"optimizer.name": "orthoadam", "model.attention": "softmax1"}, dict(first_share=0.019),
+                 "Kaul et al. 2024, Table 2 row 8"),
     ],
     schemes=("int8_coarse",),
     kurtosis="kurtosis_rest",

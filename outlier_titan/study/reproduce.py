@@ -29,7 +29,6 @@ from outlier_titan.study.plan import point_dir
 from outlier_titan.study.stats import Estimate, estimate
 
 SUITES = tuple(SUITE_INFO)
-SMOKE_ONLY = ("sinks2025",)  # suites without their cpu / gpu scales yet
 SCALES = ("smoke", "cpu", "search", "synthetic", "tiles", "gpu")
 """``search``: the calibration search of the cpu scale (issue 10), where a suite has one: the seeds' levers on
 the cpu recipe, evaluated and reported like a suite, so the settings tried and the peaks they gave are kept.
@@ -46,6 +45,11 @@ EVAL_ARGS = {"smoke": dict(tokens=512, batch_size=4, calib_batches=1, calib_seed
 EVAL_ARGS["search"] = EVAL_ARGS["synthetic"] = EVAL_ARGS["tiles"] = EVAL_ARGS["cpu"]  # judged like the cpu scale
 
 
+def suite_scales(suite: str) -> list[str]:
+    """The scales (in :data:`SCALES` order) whose sweep file the suite has."""
+    return [s for s in SCALES if (configs_dir() / "suites" / suite / f"{s}.toml").is_file()]
+
+
 def suite_file(suite: str, scale: str) -> Path:
     """The sweep file of a suite at a scale."""
     if suite not in SUITES:
@@ -57,9 +61,11 @@ def suite_file(suite: str, scale: str) -> Path:
         have = sorted(p.parent.name for p in (configs_dir() / "suites").glob(f"*/{scale}.toml"))
         raise UserError(f"suite {suite} has no {OPTIONAL_SCALES[scale]} (train_configs/suites/{suite}/{scale}.toml)"
                         f"; suites with one: {', '.join(have) or 'none'}")
-    if not path.is_file() and suite in SMOKE_ONLY:
-        raise UserError(f"suite {suite} has only the smoke scale so far; use --scale smoke")
     if not path.is_file():
+        have = suite_scales(suite)
+        if have:
+            raise UserError(f"suite {suite} has no {scale} scale (train_configs/suites/{suite}/{scale}.toml); its "
+                            f"scales: {', '.join(have)}")
         raise UserError(f"suite file {path} is missing; reinstall the package (or restore it from git)")
     return path
 
@@ -292,28 +298,77 @@ def claims_franke(groups: list[dict[str, Any]]) -> list[Claim]:
                             "speed-up below 1 there, counted as 1, an upper bound)")]
 
 
+SINK_METRICS = (("sink_rate", "Sink^0.3"), ("first_share", "first-token argmax share"))
+"""The two sink measures a remedy is judged on: the attention sink (Gu et al. 2024's share of heads whose mean
+weight on the first key exceeds 0.3) and the first token's share of the largest activations (Kaul et al. 2024)."""
+SINK_REMOVED = 0.05
+"""A remedy removes a sink when the t-interval over seeds of its measure lies at or below this; the baseline has
+one to remove when its interval lies wholly above it."""
+
+
+def _sink_claim(variant: str, opt: Any, base: dict[str, Any] | None, g: dict[str, Any], key: str,
+                label: str) -> Claim:
+    """One remedy, one optimizer, one sink measure: removed (interval ≤ :data:`SINK_REMOVED`), kept (interval
+    above it) or inside the noise; untestable where that optimizer's softmax baseline shows no sink."""
+    with_opt = f" with {opt}" if opt is not None else ""
+    text = f"{variant}{with_opt} removes the {label} sink of softmax{with_opt} ({label} ≤ {SINK_REMOVED:g})"
+    b, r = _get(base, key), _get(g, key)
+    if b is None or r is None:
+        return text, stats.MISSING, "a point or its probe metric is missing"
+    diff = (estimate(y - x for x, y in zip(b.values, r.values))
+            if base["seeds"] == g["seeds"] and b.n == r.n == len(g["seeds"]) else None)
+    dloss = _paired_relative(base, g, "final_val_loss")
+    extra = ((f"; change vs the baseline {diff.text()} (paired by seed)" if diff else "")
+             + (f"; val loss change {dloss.mean:+.2%} ± {(dloss.sd or 0):.2%} (relative, paired by seed)"
+                if dloss else ""))
+    if not stats.effect_present(b, SINK_REMOVED):
+        return text, stats.UNTESTABLE, (f"the baseline forms no sink at this scale ({label} {b.text()}, t-interval "
+                                        f"not above {SINK_REMOVED:g}); {variant} {r.text()}{extra}")
+    v, d = stats.threshold_verdict(r, SINK_REMOVED, above=False)
+    return text, v, f"baseline {b.text()}; {variant} {d}{extra}"
+
+
 def claims_sinks(groups: list[dict[str, Any]]) -> list[Claim]:
-    """Per remedy: it removes the softmax baseline's attention sink (its Sink^0.3 at most 0.05, t-interval over
-    seeds), with its validation-loss cost paired by seed. Cannot be tested where the baseline forms no sink."""
-    base = select(groups, {"model.attention": "softmax"})
-    base_rate = _get(base, "sink_rate")
+    """Per remedy, per optimizer (where the suite varies ``optimizer.name``) and per sink measure
+    (:data:`SINK_METRICS`): whether it removes the sink of the softmax baseline trained with the same optimizer,
+    with the change against that baseline and the validation-loss cost, both paired by seed."""
     out: list[Claim] = []
-    for g in groups:
-        variant = g.get("model.attention")
-        if variant == "softmax":
-            continue
-        text = f"{variant} removes the softmax baseline's attention sink (Sink^0.3 ≤ 0.05)"
-        dloss = _paired_relative(base, g, "final_val_loss") if base else None
-        cost = f"; val loss change {dloss.text()} (relative, paired by seed)" if dloss else ""
-        if base_rate is None or _get(g, "sink_rate") is None:
-            out.append((text, stats.MISSING, "a point or its probe metric is missing"))
-        elif not stats.effect_present(base_rate, 0.0):
-            out.append((text, stats.UNTESTABLE, f"the baseline forms no sink at this scale (Sink^0.3 "
-                                                f"{base_rate.text()}); {variant} {_get(g, 'sink_rate').text()}{cost}"))
-        else:
-            v, d = stats.threshold_verdict(_get(g, "sink_rate"), 0.05, above=False)
-            out.append((text, v, f"baseline {base_rate.text()}; {variant} {d}{cost}"))
+    for key, label in SINK_METRICS:
+        for g in groups:
+            variant, opt = g.get("model.attention"), g.get("optimizer.name")
+            if variant == "softmax":
+                continue
+            base = select(groups, {"model.attention": "softmax", "optimizer.name": opt})
+            out.append(_sink_claim(variant, opt, base, g, key, label))
     return out
+
+
+def sinks_table(groups: list[dict[str, Any]]) -> list[str]:
+    """Markdown: one row per attention variant and optimizer, each sink measure (mean ± sd over seeds) with its
+    verdict from :func:`claims_sinks` in short form, and the validation loss with its change against that
+    optimizer's softmax baseline (relative, paired by seed)."""
+    short = {stats.REPRODUCED: "removed", stats.NOT_REPRODUCED: "kept", stats.INCONCLUSIVE: "inside the noise",
+             stats.UNTESTABLE: "no baseline sink", stats.MISSING: "missing"}
+    verdicts: dict[tuple[Any, Any, str], str] = {}
+    for key, label in SINK_METRICS:
+        for g in groups:
+            variant, opt = g.get("model.attention"), g.get("optimizer.name")
+            if variant != "softmax":
+                base = select(groups, {"model.attention": "softmax", "optimizer.name": opt})
+                verdicts[variant, opt, key] = short[_sink_claim(variant, opt, base, g, key, label)[1]]
+    head = ["| attention | optimizer | " + " | ".join(label for _, label in SINK_METRICS)
+            + " | val loss | val loss change vs softmax |", "|---|---|" + "---|" * (len(SINK_METRICS) + 2)]
+    body = []
+    for g in groups:
+        variant, opt = g.get("model.attention"), g.get("optimizer.name")
+        base = select(groups, {"model.attention": "softmax", "optimizer.name": opt})
+        cells = [fmt(_get(g, key)) + (" (baseline)" if variant == "softmax" else f" ({verdicts[variant, opt, key]})")
+                 for key, _ in SINK_METRICS]
+        d = _paired_relative(base, g, "final_val_loss") if base and variant != "softmax" else None
+        change = f"{d.mean:+.2%} ± {(d.sd or 0):.2%}" if d else "—"
+        body.append(f"| {variant} | {opt if opt is not None else '—'} | " + " | ".join(cells)
+                    + f" | {fmt(_get(g, 'final_val_loss'))} | {change} |")
+    return head + body
 
 
 # --- park2025 (Outlier-Safe Pre-Training, Park et al. 2025) ---
@@ -400,8 +455,8 @@ def claims_park2025(groups: list[dict[str, Any]]) -> list[Claim]:
 
 
 CLAIMS: dict[str, Callable[[list[dict[str, Any]]], list[Claim]]] = {  # on the groups of :func:`aggregate`
-    "kaul2024": claims_kaul, "he2024": claims_he, "franke2025": claims_franke, "sinks2025": claims_sinks}
-CLAIMS["park2025"] = claims_park2025
+    "kaul2024": claims_kaul, "he2024": claims_he, "franke2025": claims_franke, "sinks2025": claims_sinks,
+    "park2025": claims_park2025}
 
 
 # ------------------------------------------------------------------------------------------------ figures
@@ -548,6 +603,12 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
         lines += tile_study_section(groups, info, fig_dir)
     if eval_failed:
         lines += [f"Evaluation failed for: {', '.join(eval_failed)} (see `<point>/eval.log`).", ""]
+    if suite == "sinks2025":
+        lines += ["## Summary: each remedy against the softmax baseline of its optimizer", "",
+                  "Each cell: mean ± sd over seeds at the last probe step, and in brackets the verdict below in "
+                  "short (removed: the t-interval over seeds lies at or below 0.05; kept: wholly above it; no "
+                  "baseline sink: that optimizer's softmax interval does not lie above 0.05).", ""]
+        lines += sinks_table(groups) + [""]
     lines += ["## Verdicts", ""]
     for text, verdict, detail in CLAIMS[suite](groups):
         lines.append(f"- **{verdict}** — {text}: {detail}.")
@@ -736,9 +797,13 @@ def gpu_dry_run(suite: str, tokenizer: str | None, mfu: float, peak_tflops: floa
             text = path.read_text()
             base = (path.parent / tomllib.loads(text)["base"]).resolve()
             lines = [f'base = "{base}"' if ln.startswith("base =") else ln for ln in text.splitlines()]
-            if any(ln.strip() == "[fixed]" for ln in lines):
-                raise UserError(f"{path} has a [fixed] table; set data.tokenizer there instead of --tokenizer")
-            lines += ["[fixed]", f'"data.tokenizer" = "{tokenizer}"']
+            fixed = [i for i, ln in enumerate(lines) if ln.strip() == "[fixed]"]
+            if any(re.match(r'^\s*"?data\.tokenizer"?\s*=', ln) for ln in lines):
+                raise UserError(f"{path} sets data.tokenizer itself; drop --tokenizer")
+            if fixed:  # into the file's own [fixed] table
+                lines.insert(fixed[0] + 1, f'"data.tokenizer" = "{tokenizer}"')
+            else:
+                lines += ["[fixed]", f'"data.tokenizer" = "{tokenizer}"']
             path = Path(tmp) / path.name
             path.write_text("\n".join(lines) + "\n")
         try:
