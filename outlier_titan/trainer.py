@@ -35,6 +35,7 @@ from outlier_titan.eval.perplexity import validation_budget
 from outlier_titan.hf.load import apply_initial_model, load_model_state
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import build_meta_model, count_params, flops_per_token
+from outlier_titan.models.roles import roles_of
 from outlier_titan.observe.logger import MetricsLogger, Throughput, peak_memory_gib
 from outlier_titan.optim.builder import build_optimizer, build_param_groups, checked_optimizer
 from outlier_titan.optim.tiles.base import TileAdamBase
@@ -216,7 +217,8 @@ class Trainer:
         self.n_params = count_params(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.training.seq_len)
         parallelize(self.model, self.spec, self.args, cfg, self.dims, self.mesh, device_type)
-        check_tile_plans(build_param_groups(self.model, cfg.optimizer), cfg.optimizer)  # before materialising
+        check_tile_plans(build_param_groups(self.model, cfg.optimizer), cfg.optimizer,
+                         roles_of(self.model))  # before materialising
         self.model.to_empty(device=self.device)
         self.model.init_weights(Initializer(cfg.training.seed, self.device))
         if cfg.checkpoint.initial_load_path:

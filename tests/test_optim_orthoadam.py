@@ -287,6 +287,7 @@ def test_a_non_power_of_two_tile_fails_the_meta_model_pre_check_when_the_basis_n
     from outlier_titan.config.job_config import Model as ModelConfig
     from outlier_titan.config.job_config import Optimizer as OptimizerConfig
     from outlier_titan.models.registry import build_meta_model
+    from outlier_titan.models.roles import roles_of
     from outlier_titan.optim.builder import build_param_groups
     from outlier_titan.optim.tile_optimizers import check_tile_plans
     from outlier_titan.optim.tiles.plan import TileAlignmentError
@@ -298,11 +299,11 @@ def test_a_non_power_of_two_tile_fails_the_meta_model_pre_check_when_the_basis_n
     own = [torch.nn.Parameter(torch.randn(24, 24))]
     expected = f"the {basis} basis needs power-of-two tiles (tile 12, ragged last tile"
     if not REPRESENTATIONS[basis].needs_pow2:
-        check_tile_plans(groups, cfg)
+        check_tile_plans(groups, cfg, roles_of(model))
         OrthoAdam([{"params": own, "names": ["w"]}], basis=basis, options=EngineOptions(tile_size=12))
         return
     with pytest.raises(TileAlignmentError) as pre:
-        check_tile_plans(groups, cfg)
+        check_tile_plans(groups, cfg, roles_of(model))
     assert "\n" not in str(pre.value) and expected in str(pre.value)
     with pytest.raises(TileAlignmentError, match=expected.replace("(", r"\(")):
         OrthoAdam([{"params": own, "names": ["w"]}], basis=basis, options=EngineOptions(tile_size=12))
@@ -316,18 +317,19 @@ def test_tile_grid_description_states_the_plans_per_parameter_class():
     from outlier_titan.config.job_config import Optimizer as OptimizerConfig
     from outlier_titan.errors import UserError
     from outlier_titan.models.registry import build_meta_model
+    from outlier_titan.models.roles import roles_of
     from outlier_titan.optim.builder import build_param_groups
     from outlier_titan.optim.tile_optimizers import describe_tile_grid
 
     _, _, model = build_meta_model(ModelConfig(name="pre_ln", flavor="debug"), 256, 32)
     tiles = OptimizerConfig(name="orthoadam", basis="hadamard", tile_size=32, vocab_axis="identity")
-    lines = describe_tile_grid(build_param_groups(model, tiles), tiles)
+    lines = describe_tile_grid(build_param_groups(model, tiles), tiles, roles_of(model))
     assert "`layers.*.attention.wq.weight` [128, 128]: 16 (8 tiles) × 32 (4 tiles)" in lines
     assert "`tok_embeddings.weight` [256, 128]: 256 unrotated × 32 (4 tiles)" in lines
     assert "`norm.weight` [128]: 128 unrotated" in lines
     whole = OptimizerConfig(name="soap")
     assert "`layers.*.feed_forward.w2.weight` [128, 512]: 128 (whole) × 512 (whole)" in describe_tile_grid(
-        build_param_groups(model, whole), whole)
+        build_param_groups(model, whole), whole, roles_of(model))
     adamw = OptimizerConfig(name="adamw")
     with pytest.raises(UserError, match="has no tile grid"):
-        describe_tile_grid(build_param_groups(model, adamw), adamw)
+        describe_tile_grid(build_param_groups(model, adamw), adamw, roles_of(model))

@@ -192,13 +192,14 @@ def test_the_basis_choices_are_the_bases():
 def test_the_engine_reads_every_key_of_its_option_group_with_the_same_defaults():
     import dataclasses as dc
 
+    from outlier_titan.models.roles import DEFAULT_ROLES
     from outlier_titan.optim.tile_optimizers import TILE_LAYOUT_KEYS, engine_options
     from outlier_titan.optim.tiles.options import EngineOptions
     from outlier_titan.optim.tiles.settings import TileOptions
 
     cfg = parse_args(["--config", str(REPO / "train_configs/debug.toml"), "--optimizer.name", "soap",
                       "--optimizer.tile_size", "16", "--optimizer.tile_size_overrides", "output.weight=8"]).optimizer
-    e = engine_options(cfg)
+    e = engine_options(cfg, DEFAULT_ROLES)
     assert (e.tile_size, e.tile_size_overrides, e.nonfinite_guard) == (16, ("output.weight=8",), False)
     engine = {f.name: f.default for f in dc.fields(EngineOptions)}
     for f in dc.fields(TileOptions):

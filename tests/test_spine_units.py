@@ -11,6 +11,7 @@ from outlier_titan.models.registry import count_params, model_args
 from outlier_titan.observe.logger import Throughput, peak_flops
 from outlier_titan.optim.builder import build_optimizer, build_param_groups
 from outlier_titan.optim.lr_schedule import build_lr_scheduler, lr_factor
+from outlier_titan.models.roles import DEFAULT_ROLES
 from outlier_titan.parallel.fsdp import shard_dim_for
 from outlier_titan.parallel.grads import clip_grads, grad_norm
 
@@ -114,10 +115,10 @@ def test_mfu_peak_lookup_and_cpu_reports_no_mfu():
 
 def test_fsdp_keeps_the_residual_axis_whole():
     w = torch.nn.Parameter(torch.empty(4, 4))
-    assert shard_dim_for("layers.0.attention.wo.weight", w) == 1
-    assert shard_dim_for("layers.3.feed_forward.w2.weight", w) == 1
-    assert shard_dim_for("layers.3._checkpoint_wrapped_module.feed_forward.w2.weight", w) == 1
+    assert shard_dim_for("layers.0.attention.wo.weight", w, DEFAULT_ROLES) == 1
+    assert shard_dim_for("layers.3.feed_forward.w2.weight", w, DEFAULT_ROLES) == 1
+    assert shard_dim_for("layers.3._checkpoint_wrapped_module.feed_forward.w2.weight", w, DEFAULT_ROLES) == 1
     for name in ("layers.0.attention.wq.weight", "layers.0.feed_forward.w1.weight", "tok_embeddings.weight",
                  "output.weight"):
-        assert shard_dim_for(name, w) == 0
-    assert shard_dim_for("layers.0.attention.wo.bias", torch.nn.Parameter(torch.empty(4))) == 0
+        assert shard_dim_for(name, w, DEFAULT_ROLES) == 0
+    assert shard_dim_for("layers.0.attention.wo.bias", torch.nn.Parameter(torch.empty(4)), DEFAULT_ROLES) == 0

@@ -8,6 +8,7 @@ This loads every point's resolved config and checks the tile edge the engine pla
 import pytest
 
 from outlier_titan.models.registry import build_meta_model
+from outlier_titan.models.roles import roles_of
 from outlier_titan.optim.builder import build_param_groups
 from outlier_titan.optim.tile_optimizers import tile_plans
 from outlier_titan.study.reproduce import SUITES
@@ -30,7 +31,7 @@ def test_every_tile_optimizer_point_rotates_whole_axes(path):
         assert opt.vocab_axis == "tile", point.name
         _, _, model = build_meta_model(point.cfg.model, _vocab_size(point.cfg.data.tokenizer),
                                        point.cfg.training.seq_len)
-        for p, fqn, plan in tile_plans(build_param_groups(model, opt), opt):
+        for p, fqn, plan in tile_plans(build_param_groups(model, opt), opt, roles_of(model)):
             for size, axis in zip(p.shape, plan.axes):
                 rotates = 2 <= size <= opt.max_precond_dim and (p.ndim == 2 or opt.one_d == "rotate")
                 want = min(opt.tile_size, size) if opt.tile_size else size

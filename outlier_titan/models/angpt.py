@@ -71,6 +71,7 @@ from outlier_titan.models.ngpt import (
     validate_normalized_args,
 )
 from outlier_titan.models.registry import ModelSpec, register_spec
+from outlier_titan.models.roles import DEFAULT_ROLES
 from outlier_titan.models.spec_options import ANGPTOptions
 
 NU_ACF = 3.74  # SiLU-GLU activation factor, the paper's Monte-Carlo value
@@ -154,6 +155,8 @@ class ANGPTBlock(NGPTBlock):
 
 
 class ANGPT(NGPT):
+    param_roles = DEFAULT_ROLES  # the names of the parameters' roles (models/roles.py)
+
     block_cls = ANGPTBlock
 
     @torch.no_grad()

@@ -56,6 +56,7 @@ from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import Attention, RotaryEmbedding, attention, init_norms
 from outlier_titan.models.pre_ln import build_rope, rope_dims
 from outlier_titan.models.registry import ModelSpec, register_spec
+from outlier_titan.models.roles import DEFAULT_ROLES
 from outlier_titan.models.spec_options import NGPTOptions
 from outlier_titan.parallel.tensor_parallel import local
 
@@ -265,6 +266,8 @@ class NGPTBlock(nn.Module):
 
 class NGPT(nn.Module):
     """Embedding -> normalised LERP blocks -> scaled head (no final norm). anGPT subclasses it."""
+
+    param_roles = DEFAULT_ROLES  # the names of the parameters' roles (models/roles.py)
 
     block_cls = NGPTBlock
 

@@ -63,6 +63,7 @@ from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import MLP, Attention, LayerNorm, RotaryEmbedding, build_norm, init_norms
 from outlier_titan.models.pre_ln import build_rope, rope_dims
 from outlier_titan.models.registry import ModelSpec, register_spec
+from outlier_titan.models.roles import DEFAULT_ROLES
 from outlier_titan.models.spec_options import OP_BLOCKS, OPOptions
 
 BLOCKS = OP_BLOCKS
@@ -224,6 +225,8 @@ class OPBlock(nn.Module):
 
 
 class OPTransformer(nn.Module):
+    param_roles = DEFAULT_ROLES  # the names of the parameters' roles (models/roles.py)
+
     def __init__(self, args: OPArgs):
         super().__init__()
         self.args = args

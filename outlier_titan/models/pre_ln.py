@@ -47,6 +47,7 @@ from outlier_titan.models.attention import AttentionArgs, block_options, resolve
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import MLP, Attention, RotaryEmbedding, build_norm, init_norms
 from outlier_titan.models.registry import ModelSpec, register_spec
+from outlier_titan.models.roles import DEFAULT_ROLES
 from outlier_titan.models.spec_options import PreLNOptions
 
 
@@ -138,6 +139,8 @@ class Block(nn.Module):
 
 
 class PreLNTransformer(nn.Module):
+    param_roles = DEFAULT_ROLES  # the names of the parameters' roles (models/roles.py)
+
     def __init__(self, args: PreLNArgs):
         super().__init__()
         self.args = args

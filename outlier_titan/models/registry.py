@@ -3,6 +3,11 @@
 Every model built from a spec exposes ``tok_embeddings``, ``layers`` (an ``nn.ModuleDict`` of blocks, each
 mapping the residual stream to the residual stream), ``norm`` (final norm or ``nn.Identity``), ``output``
 (the LM head, or None when tied), ``init_weights(initializer)`` and ``forward(tokens) -> logits``.
+
+A spec provides its parameters' roles: the model class declares ``param_roles`` (an
+``outlier_titan.models.roles.ParamRoles``: the vocabulary-axis and embedding-like parameters, the per-head
+attention inputs, the residual writers), which FSDP placement, the tile engine and the optimizer builders read
+through ``roles_of(model)``; the built-in specs declare ``DEFAULT_ROLES``.
 """
 
 from __future__ import annotations

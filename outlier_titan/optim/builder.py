@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from outlier_titan.config.job_config import Optimizer as OptimizerConfig
+from outlier_titan.models.roles import roles_of
 from outlier_titan.optim.muon import build_muon, plan_muon_state
 from outlier_titan.optim.muon_settings import MuonOptions
 from outlier_titan.optim.params import trainable_params
@@ -58,14 +59,22 @@ def _soap_state_bytes(cfg: OptimizerConfig) -> float:
     return 8.0 + 2 * factor_bytes + 2 * 4
 
 
+def _with_model_roles(build):
+    """A ``takes_model`` factory for a tile optimizer: its decay / no-decay groups and the model's parameter roles
+    (vocabulary axes, residual writers)."""
+    def factory(model: nn.Module, cfg: OptimizerConfig, seed: int) -> torch.optim.Optimizer:
+        return build(build_param_groups(model, cfg), cfg, seed, roles_of(model))
+    return factory
+
+
 # The built-ins, registered in one place. State bytes are fp32 values per parameter element.
 register_optimizer("adamw", _adamw, state_bytes=8)
 register_optimizer("adam", _adam, state_bytes=8)
 register_optimizer("sgd", _sgd, state_bytes=lambda cfg: 4.0 if cfg.momentum else 0.0)
 register_optimizer("rmsprop", _rmsprop, state_bytes=4)
-register_optimizer("orthoadam", build_orthoadam, state_bytes=8, layout_keys=(*TILE_LAYOUT_KEYS, "basis"),
-                   options=tile_settings.OrthoAdamOptions)
-register_optimizer("soap", build_soap, state_bytes=_soap_state_bytes,
+register_optimizer("orthoadam", _with_model_roles(build_orthoadam), takes_model=True, state_bytes=8,
+                   layout_keys=(*TILE_LAYOUT_KEYS, "basis"), options=tile_settings.OrthoAdamOptions)
+register_optimizer("soap", _with_model_roles(build_soap), takes_model=True, state_bytes=_soap_state_bytes,
                    layout_keys=(*TILE_LAYOUT_KEYS, "soap_factor_dtype"), options=tile_settings.SOAPOptions)
 # Muon's state is a momentum buffer beside each shard whatever muon_layout, so no muon_* key changes its layout; the
 # Muon / AdamW split follows the model and no_decay (common to every optimizer).

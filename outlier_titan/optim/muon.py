@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from outlier_titan.errors import UserError
-from outlier_titan.models.roles import ATTENTION_INPUT_WEIGHTS, EMBEDDING_LIKE_PARAMS, is_one_of
+from outlier_titan.models.roles import ParamRoles, roles_of
 from outlier_titan.optim.params import clean_fqn, trainable_params
 from outlier_titan.optim.tile_optimizers import engine_options
 from outlier_titan.optim.tiles.kernels import from_tiles, to_tiles
@@ -105,19 +105,22 @@ def lr_scale(adjust_lr_fn: str, rows: int, cols: int) -> float:
 # The parameter split
 
 
-def is_muon_matrix(fqn: str, cls: str, p: torch.Tensor) -> bool:
-    """A 2-D hidden matrix: a "matrix" parameter that is not an embedding or the output head."""
-    return cls == "matrix" and p.ndim == 2 and not is_one_of(fqn, EMBEDDING_LIKE_PARAMS)
+def is_muon_matrix(fqn: str, cls: str, p: torch.Tensor, roles: ParamRoles) -> bool:
+    """A 2-D hidden matrix: a "matrix" parameter that is not an embedding or the output head (the model's
+    ``roles``)."""
+    return cls == "matrix" and p.ndim == 2 and not roles.is_embedding_like(fqn)
 
 
 def head_dims(model: nn.Module) -> dict[str, int]:
-    """FQN -> head dim of every wq / wk / wv weight (modules with a ``head_dim`` attribute)."""
+    """FQN -> head dim of every per-head attention input weight (``wq`` / ``wk`` / ``wv`` in the built-in specs:
+    the model's ``param_roles.attention_input_weights``) of the modules with a ``head_dim`` attribute."""
+    names = roles_of(model).attention_input_weights
     out = {}
     for name, module in model.named_modules():
         hd = getattr(module, "head_dim", None)
         if not isinstance(hd, int):
             continue
-        for w in ATTENTION_INPUT_WEIGHTS:
+        for w in names:
             lin = getattr(module, w, None)
             if isinstance(lin, nn.Module) and isinstance(getattr(lin, "weight", None), torch.Tensor):
                 out[clean_fqn(f"{name}.{w}.weight" if name else f"{w}.weight")] = hd
@@ -148,8 +151,9 @@ def muon_param_groups(model: nn.Module, cfg) -> list[dict]:
              "eps": cfg.eps}
     decay = {"params": [], "names": [], **adamw, "weight_decay": cfg.muon_adamw_weight_decay}
     no_decay = {"params": [], "names": [], **adamw, "weight_decay": 0.0}
+    roles = roles_of(model)
     for fqn, cls, p in trainable_params(model):
-        group = muon if is_muon_matrix(fqn, cls, p) else no_decay if cls in cfg.no_decay else decay
+        group = muon if is_muon_matrix(fqn, cls, p, roles) else no_decay if cls in cfg.no_decay else decay
         group["params"].append(p)
         group["names"].append(fqn)
     return [g for g in (muon, decay, no_decay) if g["params"]]
@@ -177,7 +181,7 @@ def build_muon(model: nn.Module, cfg, seed: int) -> "MuonAdamW":
     """``optimizer.name = "muon"`` from the config (``seed`` unused: Muon has no random state)."""
     return MuonAdamW(muon_param_groups(model, cfg), layout=cfg.muon_layout, full_every=cfg.muon_full_every,
                      ns_dtype=cfg.muon_ns_dtype, per_head=head_dims(model) if cfg.muon_per_head else None,
-                     options=engine_options(cfg))
+                     options=engine_options(cfg, roles_of(model)))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -250,7 +254,8 @@ class MuonAdamW(torch.optim.Optimizer):
             overrides += (f"{fqn}:0={self.per_head[fqn]}",)
         opts = EngineOptions(tile_size=base.tile_size, shard_tile_size=base.shard_tile_size,
                              max_shards=base.max_shards, tile_size_overrides=overrides,
-                             tile_alignment=base.tile_alignment, max_precond_dim=1 << 62, nonfinite_guard=False)
+                             tile_alignment=base.tile_alignment, max_precond_dim=1 << 62, nonfinite_guard=False,
+                             roles=base.roles)
         return plan_param(fqn, p, opts, group_other_axis=False, basis=None, stacked_state=False)
 
     # -- step ---------------------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ class OptimizerSpec:
     """``optimizer.*`` keys (besides ``name`` and ``no_decay``) whose change breaks a resume."""
     validate: Callable[[OptimizerConfig], None] | None = None
     takes_model: bool = False
-    """The factory splits the model's parameters itself (Muon: hidden matrices vs the rest)."""
+    """The factory takes the model: it splits the parameters itself (Muon: hidden matrices vs the rest) or reads the
+    model's parameter roles (the tile optimizers: ``models.roles.roles_of``)."""
     plan_state: Callable[[Any, OptimizerConfig], tuple[str, float]] | None = None
     """Dry run of an optimizer that counts its own state (Muon: its split): (summary line, this rank's state bytes)
     on the sharded meta model, in place of ``state_bytes`` x local elements."""

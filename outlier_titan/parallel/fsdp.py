@@ -1,8 +1,9 @@
 """FSDP2 (``fully_shard``) per block and on the root, with residual-axis-preserving shard placements.
 
-Placement of every weight (global shape -> FSDP shard dim):
+Placement of every weight (global shape -> FSDP shard dim; names of the built-in specs, the model's
+``param_roles`` say which are the residual writers):
   wq, wk, wv, w1, w3   [out, d_model]  Shard(0)   (the output / head axis)
-  wo, w2               [d_model, in]   Shard(1)   (the input axis; d_model rows stay whole)
+  wo, w2               [d_model, in]   Shard(1)   (residual writers: the input axis; d_model rows stay whole)
   tok_embeddings, output, pos_embeddings [V or T, d_model]  Shard(0)
   1-D gains and biases                                     Shard(0)
 So the residual (d_model) axis of every matrix stays unsharded on the FSDP mesh, which lets the tile
@@ -18,19 +19,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from outlier_titan.models.roles import writes_residual
+from outlier_titan.models.roles import ParamRoles, roles_of
 
 
-def shard_dim_for(fqn: str, param: nn.Parameter) -> int:
-    """The FSDP shard dim of a parameter, from its role (see the module docstring)."""
-    return 1 if writes_residual(fqn, param.ndim) else 0
+def shard_dim_for(fqn: str, param: nn.Parameter, roles: ParamRoles) -> int:
+    """The FSDP shard dim of a parameter, from its role in the model's ``roles`` (see the module docstring)."""
+    return 1 if roles.writes_residual(fqn, param.ndim) else 0
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward: bool = True) -> None:
     """fully_shard on every block, then on the root (embeddings, final norm and head)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    dims = {p: shard_dim_for(n, p) for n, p in model.named_parameters()}
+    roles = roles_of(model)
+    dims = {p: shard_dim_for(n, p, roles) for n, p in model.named_parameters()}
 
     def placement(p: nn.Parameter) -> Shard:
         return Shard(dims.get(p, 0))

@@ -724,6 +724,7 @@ def tile_grid_section(manifest: dict[str, Any]) -> list[str]:
     points' own resolved configs (one rank)."""
     from outlier_titan.config.manager import parse_args
     from outlier_titan.models.registry import build_meta_model
+    from outlier_titan.models.roles import roles_of
     from outlier_titan.optim.builder import build_param_groups
     from outlier_titan.optim.tile_optimizers import describe_tile_grid
     from outlier_titan.study.spec import _vocab_size
@@ -743,7 +744,8 @@ def tile_grid_section(manifest: dict[str, Any]) -> list[str]:
         kind = "whole axes (as published)" if cfg.optimizer.tile_size == 0 else \
             f"shard-local tiles of {cfg.optimizer.tile_size} (a named variant)"
         out += [f"**Tile grid, {cfg.optimizer.name}** ({kind}; first point {e['name']}): "
-                + "; ".join(describe_tile_grid(build_param_groups(model, cfg.optimizer), cfg.optimizer)) + ".", ""]
+                + "; ".join(describe_tile_grid(build_param_groups(model, cfg.optimizer), cfg.optimizer,
+                                               roles_of(model))) + ".", ""]
     return out
 
 

@@ -520,6 +520,7 @@ def _muon_worker(rank: int, world: int, port: int, args, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from outlier_titan.models.roles import DEFAULT_ROLES
     from outlier_titan.optim.muon import MuonAdamW
     from outlier_titan.parallel.fsdp import shard_dim_for
 
@@ -535,7 +536,7 @@ def _muon_worker(rank: int, world: int, port: int, args, out: dict) -> None:
         params = {}
         for n, p in full.items():
             if world > 1:
-                pl = (Shard(shard_dim_for(n, p)),)
+                pl = (Shard(shard_dim_for(n, p, DEFAULT_ROLES)),)  # the built-in specs' names
                 params[n] = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, pl, src_data_rank=None))
                 params[n].grad = distribute_tensor(grads[n], mesh, pl, src_data_rank=None)
             else:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from outlier_titan.errors import UserError
+from outlier_titan.models.roles import DEFAULT_ROLES, ParamRoles
 from outlier_titan.parallel.fsdp import shard_dim_for
 
 ALIGNMENTS = ("strict", "adapt")
@@ -32,6 +33,9 @@ class EngineOptions:
     # The all-reduced non-finite flag (skip the step on every rank). Off when the caller already skips
     # non-finite steps before ``step()`` (the trainer does, from the globally reduced gradient norm).
     nonfinite_guard: bool = True
+    # The model's parameter roles (``models.roles.roles_of``): its vocabulary-axis parameters and the residual
+    # writers, whose sharded axis is the input one. Not a config key: the builder takes it from the model.
+    roles: ParamRoles = DEFAULT_ROLES
 
     def __post_init__(self) -> None:
         if self.tile_size < 0:
@@ -60,7 +64,7 @@ class EngineOptions:
         on the layout."""
         if self.whole_axes:
             size = extent
-        elif axis == _sharded_axis(fqn, ndim):
+        elif axis == _sharded_axis(fqn, ndim, self.roles):
             size = self.default_shard_tile(extent)
         else:
             size = self.tile_size
@@ -86,9 +90,9 @@ class EngineOptions:
         return t if t >= 2 else self.tile_size
 
 
-def _sharded_axis(fqn: str, ndim: int) -> int:
+def _sharded_axis(fqn: str, ndim: int, roles: ParamRoles) -> int:
     """The axis FSDP and TP shard (``parallel.fsdp.shard_dim_for``; the residual axis stays whole)."""
-    return shard_dim_for(fqn, torch.empty((1,) * ndim, device="meta"))
+    return shard_dim_for(fqn, torch.empty((1,) * ndim, device="meta"), roles)
 
 
 def parse_overrides(entries) -> list[tuple[str, int | None, int]]:

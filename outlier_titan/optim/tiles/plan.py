@@ -8,9 +8,10 @@ that the kernels batch over. ``strict`` alignment raises, naming the parameter, 
 size that would work; ``adapt`` picks that tile and records it in the checkpointed tile spec.
 
 Axis rules: 1-D parameters run plain (unrotated) Adam unless ``one_d = "rotate"``; the vocabulary axis of
-``tok_embeddings.weight`` / ``output.weight`` is rotated like the others unless ``vocab_axis = "identity"``; an
-axis longer than ``max_precond_dim`` is not rotated. A whole axis (``tile_size = 0``) that a layout shards
-cannot be rotated without communication, so it fails the check with a message naming tiles that fit.
+the model's vocab-axis parameters (``options.roles``; ``tok_embeddings.weight`` / ``output.weight`` in the built-in
+specs) is rotated like the others unless ``vocab_axis = "identity"``; an axis longer than ``max_precond_dim`` is
+not rotated. A whole axis (``tile_size = 0``) that a layout shards cannot be rotated without communication, so it
+fails the check with a message naming tiles that fit.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from outlier_titan.errors import UserError
-from outlier_titan.models.roles import VOCAB_AXIS_PARAMS, is_one_of
 from outlier_titan.optim.bases import Basis, is_power_of_two
 from outlier_titan.optim.tiles.options import EngineOptions
 from outlier_titan.optim.tiles.shards import local_indices, shard_boundaries
@@ -142,7 +142,7 @@ def plan_param(fqn: str, p: torch.Tensor, opts: EngineOptions, group_other_axis:
     mesh = p.device_mesh if is_dt else None
     placements = tuple(p.placements) if is_dt else ()
     mesh_shape = tuple(mesh.shape) if is_dt else ()
-    vocab = is_one_of(fqn, VOCAB_AXIS_PARAMS)
+    vocab = opts.roles.has_vocab_axis(fqn)
 
     rotate = []
     for axis, n in enumerate(sizes):
