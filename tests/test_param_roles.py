@@ -152,3 +152,27 @@ def test_fsdp_places_the_declared_residual_writers_on_their_input_axis():
     for fqn, pl in placements[Toy].items():
         assert pl == ((Shard(1),) if fqn in writers else (Shard(0),)), fqn
     assert all(pl == (Shard(0),) for pl in placements[PlainToy].values())
+
+
+@pytest.mark.parametrize("spec", ["pre_ln", "op", "ngpt", "angpt"])
+def test_tp_plans_agree_with_the_spec_roles(spec):
+    """The TP plans name their modules themselves (``parallel/tensor_parallel.tp_block_plan``); for every built-in
+    spec their row-wise linears are exactly the spec's residual writers, the per-head inputs are column-wise, and
+    each planned weight's TP shard dim is its FSDP shard dim (the residual axis stays whole on both meshes)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from outlier_titan.parallel.fsdp import shard_dim_for
+    from outlier_titan.parallel.tensor_parallel import tp_block_plan
+
+    _, _, model = build_meta_model(ModelConfig(name=spec, flavor="debug"), 256, 32)
+    roles = roles_of(model)
+    plan = tp_block_plan(model.layers["0"])
+    linears = {k: v for k, v in plan.items() if isinstance(v, (ColwiseParallel, RowwiseParallel))}
+    rowwise = {k.rsplit(".", 1)[-1] for k, v in linears.items() if isinstance(v, RowwiseParallel)}
+    colwise = {k.rsplit(".", 1)[-1] for k, v in linears.items() if isinstance(v, ColwiseParallel)}
+    assert rowwise == set(roles.residual_writers)
+    assert set(roles.attention_input_weights) <= colwise
+    weights = dict(model.named_parameters())
+    for key, style in linears.items():
+        fqn = f"layers.0.{key}.weight"
+        assert shard_dim_for(fqn, weights[fqn], roles) == (1 if isinstance(style, RowwiseParallel) else 0), fqn
