@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Callable
 
-from outlier_titan.errors import UserError
+from outlier_titan.errors import UserError, print_error
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -30,5 +29,5 @@ def report_user_errors(fn: Callable[..., int], *args) -> int:
     try:
         return fn(*args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(f"error: {e}")
         return 2

@@ -1,6 +1,15 @@
 """User-facing errors: ``train.py`` and the scripts print their one-line message and exit with its code
 (2 for bad input, unless a subclass says otherwise)."""
 
+import sys
+
+
+def print_error(text: str) -> None:
+    """``text`` and its newline to stderr in one write: under PYTHONUNBUFFERED (Slurm jobs, the sweep's trainers)
+    ``print`` writes the two separately, and two ranks sharing the stream then glue their lines together."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
 
 class UserError(Exception):
     """Bad input from the user (config, data, tokenizer, checkpoint). The message names the problem and the fix."""

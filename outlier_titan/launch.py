@@ -27,6 +27,7 @@ import struct
 import sys
 import threading
 
+from outlier_titan.errors import print_error
 from outlier_titan.preempt import ERROR_DIR_ENV
 
 EXIT_FILE_ENV = "OUTLIER_TITAN_EXIT_FILE"
@@ -124,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         code, lines = decide(codes, _reported(error_dir, "txt"), _reported(error_dir, "failure.txt"),
                              _pending.count(signal.SIGINT) >= 2)
         if code == 1:
-            print(e.format_msg(), file=sys.stderr, flush=True)
+            print_error(e.format_msg())
         if lines:
-            print("\n".join(lines), file=sys.stderr, flush=True)
+            print_error("\n".join(lines))
     finally:
         import shutil
 

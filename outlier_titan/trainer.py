@@ -30,7 +30,7 @@ from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, to_toml
 from outlier_titan.data import build_dataloader, build_tokenizer
 from outlier_titan.data.sources import tokenizer_mismatch
-from outlier_titan.errors import DivergedError
+from outlier_titan.errors import DivergedError, print_error
 from outlier_titan.eval.perplexity import validation_budget
 from outlier_titan.hf.load import apply_initial_model, load_model_state
 from outlier_titan.models.init import Initializer
@@ -613,7 +613,7 @@ def main(argv: list[str]) -> int:
             trainer.abort()
         return e.exit_code
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print_error(f"error: {e}")
         preempt.report_user_error(f"error: {e}")
         if trainer is not None:
             trainer.abort()
