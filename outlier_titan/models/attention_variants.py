@@ -55,12 +55,6 @@ def register_variant(variant: AttentionVariant) -> AttentionVariant:
     return variant
 
 
-def get_variant(name: str) -> AttentionVariant:
-    if name not in _VARIANTS:
-        raise AttentionError(f"model.attention = {name!r} is not a variant; choose one of {', '.join(_VARIANTS)}")
-    return _VARIANTS[name]
-
-
 def variants() -> tuple[AttentionVariant, ...]:
     return tuple(_VARIANTS.values())
 

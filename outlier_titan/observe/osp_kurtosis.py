@@ -56,19 +56,18 @@ def osp_excess_kurtosis(model: nn.Module, sequences: Iterable[torch.Tensor]) -> 
     was_training = model.training
     model.eval()
     per_state: list[list[float]] = []
+    states: list[torch.Tensor] = []
+    handles = hidden_states_hooks(model, states)  # once: each forward fills ``states`` afresh
     try:
         for batch in sequences:
             for seq in batch.reshape(-1, batch.shape[-1]):
-                states: list[torch.Tensor] = []
-                handles = hidden_states_hooks(model, states)
-                try:
-                    model(seq.unsqueeze(1))
-                finally:
-                    for h in handles:
-                        h.remove()
-                values = [float(osp_token_excess_kurtosis(s.reshape(-1, s.shape[-1])).mean()) for s in states]
-                per_state.append(values)
+                states.clear()
+                model(seq.unsqueeze(1))
+                per_state.append([float(osp_token_excess_kurtosis(s.reshape(-1, s.shape[-1])).mean())
+                                  for s in states])
     finally:
+        for h in handles:
+            h.remove()
         model.train(was_training)
     if not per_state:
         raise ValueError("osp_excess_kurtosis needs at least one sequence")

@@ -120,9 +120,9 @@ FRANKE = SuiteInfo(
 
 # The attention-sink remedies (docs/attention.md). Paper numbers only where checked: softpick's 0 % sink rate
 # (340M and 1.8B) and sigmoid attention's absence of sinks (Gu et al., up to 1B), both from the abstracts, and
-# Kaul et al.'s %First (the first token's share of the largest activations) of the four softmax / softmax-1 x
-# Adam / OrthoAdam models of Table 2 (the same rows as the kaul2024 suite; their norm is single-scale RMSNorm,
-# ours the debug model's LayerNorm).
+# Kaul et al.'s %First (the share of (query, head) pairs whose most-attended key is the first token) of the
+# four softmax / softmax-1 x Adam / OrthoAdam models of Table 2 (the same rows as the kaul2024 suite; their norm
+# is single-scale RMSNorm, ours the debug model's LayerNorm).
 SINKS = SuiteInfo(
     title="sinks2025: attention-sink remedies side by side (softmax-1, sink logit, gates, softpick, sigmoid, ReLU, "
           "clipped softmax)",

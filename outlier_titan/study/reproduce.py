@@ -300,7 +300,8 @@ def claims_franke(groups: list[dict[str, Any]]) -> list[Claim]:
 
 SINK_METRICS = (("sink_rate", "Sink^0.3"), ("first_share", "first-token argmax share"))
 """The two sink measures a remedy is judged on: the attention sink (Gu et al. 2024's share of heads whose mean
-weight on the first key exceeds 0.3) and the first token's share of the largest activations (Kaul et al. 2024)."""
+weight on the first key exceeds 0.3) and the share of (query, head) pairs whose most-attended key is the first
+token (Kaul et al. 2024's %First)."""
 SINK_REMOVED = 0.05
 """A remedy removes a sink when the t-interval over seeds of its measure lies at or below this; the baseline has
 one to remove when its interval lies wholly above it."""
@@ -328,19 +329,24 @@ def _sink_claim(variant: str, opt: Any, base: dict[str, Any] | None, g: dict[str
     return text, v, f"baseline {b.text()}; {variant} {d}{extra}"
 
 
+def _sink_claims(groups: list[dict[str, Any]]) -> dict[tuple[Any, Any, str], Claim]:
+    """Every remedy's claim per sink measure and optimizer, keyed ``(variant, optimizer, measure key)``, in report
+    order (measure, then the groups' order)."""
+    out: dict[tuple[Any, Any, str], Claim] = {}
+    for key, label in SINK_METRICS:
+        for g in groups:
+            variant, opt = g.get("model.attention"), g.get("optimizer.name")
+            if variant != "softmax":
+                base = select(groups, {"model.attention": "softmax", "optimizer.name": opt})
+                out[variant, opt, key] = _sink_claim(variant, opt, base, g, key, label)
+    return out
+
+
 def claims_sinks(groups: list[dict[str, Any]]) -> list[Claim]:
     """Per remedy, per optimizer (where the suite varies ``optimizer.name``) and per sink measure
     (:data:`SINK_METRICS`): whether it removes the sink of the softmax baseline trained with the same optimizer,
     with the change against that baseline and the validation-loss cost, both paired by seed."""
-    out: list[Claim] = []
-    for key, label in SINK_METRICS:
-        for g in groups:
-            variant, opt = g.get("model.attention"), g.get("optimizer.name")
-            if variant == "softmax":
-                continue
-            base = select(groups, {"model.attention": "softmax", "optimizer.name": opt})
-            out.append(_sink_claim(variant, opt, base, g, key, label))
-    return out
+    return list(_sink_claims(groups).values())
 
 
 def sinks_table(groups: list[dict[str, Any]]) -> list[str]:
@@ -349,13 +355,7 @@ def sinks_table(groups: list[dict[str, Any]]) -> list[str]:
     optimizer's softmax baseline (relative, paired by seed)."""
     short = {stats.REPRODUCED: "removed", stats.NOT_REPRODUCED: "kept", stats.INCONCLUSIVE: "inside the noise",
              stats.UNTESTABLE: "no baseline sink", stats.MISSING: "missing"}
-    verdicts: dict[tuple[Any, Any, str], str] = {}
-    for key, label in SINK_METRICS:
-        for g in groups:
-            variant, opt = g.get("model.attention"), g.get("optimizer.name")
-            if variant != "softmax":
-                base = select(groups, {"model.attention": "softmax", "optimizer.name": opt})
-                verdicts[variant, opt, key] = short[_sink_claim(variant, opt, base, g, key, label)[1]]
+    verdicts = {k: short[c[1]] for k, c in _sink_claims(groups).items()}
     head = ["| attention | optimizer | " + " | ".join(label for _, label in SINK_METRICS)
             + " | val loss | val loss change vs softmax |", "|---|---|" + "---|" * (len(SINK_METRICS) + 2)]
     body = []

@@ -6,6 +6,7 @@ layout's shards fall on that grid is checked later (``plan.plan_param``).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from dataclasses import dataclass
 
@@ -13,23 +14,34 @@ import torch
 
 from outlier_titan.errors import UserError
 from outlier_titan.models.roles import DEFAULT_ROLES, ParamRoles
+from outlier_titan.optim.tiles.settings import TileOptions
 from outlier_titan.parallel.fsdp import shard_dim_for
 
-ALIGNMENTS = ("strict", "adapt")
+_DECLARED = {f.name: f for f in dataclasses.fields(TileOptions)}  # defaults and choices, declared once there
+
+
+def _default(name: str):
+    return _DECLARED[name].default
+
+
+def _check_choice(name: str, value: str) -> None:
+    choices = _DECLARED[name].metadata["choices"]
+    if value not in choices:
+        raise UserError(f"optimizer.{name} = {value!r}; choose {' or '.join(choices)}")
 
 
 @dataclass(frozen=True)
 class EngineOptions:
     """Tile-engine settings shared by OrthoAdam and SOAP (see the ``optimizer`` config section)."""
 
-    tile_size: int = 0  # 0: whole axes (the published methods)
-    shard_tile_size: int = 0
-    max_shards: int = 8
+    tile_size: int = _default("tile_size")  # 0: whole axes (the published methods)
+    shard_tile_size: int = _default("shard_tile_size")
+    max_shards: int = _default("max_shards")
     tile_size_overrides: tuple[str, ...] = ()
-    tile_alignment: str = "strict"
-    vocab_axis: str = "tile"
-    one_d: str = "adamw"
-    max_precond_dim: int = 10000
+    tile_alignment: str = _default("tile_alignment")
+    vocab_axis: str = _default("vocab_axis")
+    one_d: str = _default("one_d")
+    max_precond_dim: int = _default("max_precond_dim")
     # The all-reduced non-finite flag (skip the step on every rank). Off when the caller already skips
     # non-finite steps before ``step()`` (the trainer does, from the globally reduced gradient norm).
     nonfinite_guard: bool = True
@@ -44,12 +56,8 @@ class EngineOptions:
             raise UserError(f"optimizer.shard_tile_size = {self.shard_tile_size} must be >= 0 (0: automatic)")
         if self.max_shards < 1:
             raise UserError(f"optimizer.max_shards = {self.max_shards} must be >= 1")
-        if self.tile_alignment not in ALIGNMENTS:
-            raise UserError(f"optimizer.tile_alignment = {self.tile_alignment!r}; choose strict or adapt")
-        if self.vocab_axis not in ("identity", "tile"):
-            raise UserError(f"optimizer.vocab_axis = {self.vocab_axis!r}; choose identity or tile")
-        if self.one_d not in ("adamw", "rotate"):
-            raise UserError(f"optimizer.one_d = {self.one_d!r}; choose adamw or rotate")
+        for name in ("tile_alignment", "vocab_axis", "one_d"):
+            _check_choice(name, getattr(self, name))
         parse_overrides(self.tile_size_overrides)
 
     @property
