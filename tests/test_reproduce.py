@@ -14,6 +14,7 @@ import pytest
 
 from outlier_titan.data.tokenizer import EMBEDDED_BPE
 from outlier_titan.observe.logger import read_metrics
+from outlier_titan.provenance import code_version
 from outlier_titan.study.papers import SUITE_INFO
 from outlier_titan.study.stats import VERDICTS, estimate
 from outlier_titan.study import stats
@@ -65,7 +66,7 @@ def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path):
         assert rows[p.name]["status"] == "done" and "loss" in records[final]
         assert (out / "runs" / p.name / "metrics.jsonl").read_text() == (folder / "metrics.jsonl").read_text()
         ev = json.loads((folder / "eval" / f"step-{final}.json").read_text())
-        assert [e["scheme"] for e in ev["schemes"]] == list(info.schemes)
+        assert [e["scheme"] for e in ev["schemes"]] == list(info.all_schemes)
         # the numbers of the comparison table are the run's own (metrics.jsonl / evaluation report)
         val = [records[s]["val_loss"] for s in sorted(records) if "val_loss" in records[s]]
         assert float(rows[p.name]["final_val_loss"]) == pytest.approx(val[-1])
@@ -97,6 +98,10 @@ def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path):
     for fig in ("kurtosis.png", "first_token.png", "loss.png"):
         assert (out / "figures" / fig).stat().st_size > 1000
     assert list((out / "figures").glob("hidden_*.png"))
+    # provenance: the code that trained every point and the code that wrote the report
+    assert f"at code {code_version()}; points trained at code {code_version()} ({len(planned)} points)." in report
+    # the added 4-bit columns are marked as such
+    assert "w4a4kv4_rtn (added)" in report and "no verdict rests on them" in report
     # running again re-uses the finished points and evaluations
     again = _run("--suite", suite, "--scale", "smoke", "--sweep-dir", str(sweep_dir), "--out", str(out))
     assert again.returncode == 0, again.stderr[-2000:]

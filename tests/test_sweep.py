@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import REPO
+from outlier_titan.provenance import code_version
 
 BASE = REPO / "train_configs" / "debug.toml"
 TINY = """
@@ -206,8 +207,9 @@ def test_run_local_with_a_failing_point(local_sweep):
     for p in manifest["points"][:2]:
         log = (out / "points" / p["name"] / "train.log").read_text()
         assert f"{p['params'] / 1e6:.2f}M params, {p['flops_per_token'] / 1e6:.1f} MFLOP/token" in log
-        pid = json.loads((out / "points" / p["name"] / "sweep_state.json").read_text())["pid"]
-        assert pid != os.getpid()
+        state = json.loads((out / "points" / p["name"] / "sweep_state.json").read_text())
+        assert state["pid"] != os.getpid()
+        assert state["code"] == [code_version()]  # the code that ran the attempt (one attempt, one version)
 
 
 @pytest.mark.slow

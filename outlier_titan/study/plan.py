@@ -6,7 +6,8 @@ Layout of a sweep folder::
     SWEEP_DIR/sweep.toml             the sweep file as planned
     SWEEP_DIR/points/<name>/         the point's run folder (job.dump_folder = SWEEP_DIR/points, job.name = name):
         config.toml                  the resolved config (the trainer writes the same file)
-        sweep_state.json             the sweep's record: status, trainer pid, attempts, wall time, error line
+        sweep_state.json             the sweep's record: status, trainer pid, attempts, wall time, error line, the
+                                     code of each attempt (`code`: commit, +dirty when changed)
         train.log, metrics.jsonl, tb/, checkpoints/   (the trainer's)
     SWEEP_DIR/replaced/              run folders of points whose config changed at a forced re-plan
 """

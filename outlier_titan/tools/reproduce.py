@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Reproduce a paper's phenomena: run its suite (a sweep), evaluate every final checkpoint, write the report.
 
-    outlier-titan-reproduce --suite {kaul2024|he2024|franke2025} --scale {smoke|cpu|gpu} [--out DIR]
+    outlier-titan-reproduce --suite {kaul2024|he2024|franke2025|sinks2025|park2025} --scale {smoke|cpu|gpu} [--out DIR]
     outlier-titan-reproduce --suite kaul2024 --scale search --parallel 2  # the cpu scale's calibration search
     outlier-titan-reproduce --suite kaul2024 --scale synthetic --parallel 2  # on the Bigram-Backcopy task
     outlier-titan-reproduce --suite kaul2024 --scale cpu --slurm [--slurm-args "--partition gpu ..."]
     outlier-titan-reproduce --suite kaul2024 --scale cpu --report-only    # after the Slurm array finished
     outlier-titan-reproduce --suite he2024 --scale gpu --dry-run          # the papers' runs on 1 and 8 GPUs
 
-The suites are sweep files under ``train_configs/suites/<suite>/<scale>.toml``; the run folders go to
+The suites are sweep files under ``train_configs/suites/<suite>/<scale>.toml`` (every suite has smoke, cpu and
+gpu; kaul2024 and sinks2025 also synthetic; kaul2024 and he2024 also search and tiles); the run folders go to
 ``--sweep-dir`` (default ``outputs/reproduce/<suite>-<scale>``), the report (``report.md``, ``figures/``,
 ``results.csv``, ``runs/<point>/`` logs) to ``--out`` (default ``reports/<suite>-<scale>``). Running again skips
 finished points and evaluations. See ``outlier_titan/study/reproduce.py``.
