@@ -400,3 +400,14 @@ def test_slurm_fake_sbatch_equals_local(tmp_path, local_sweep):
     # only the unfinished (failed) point is submitted again
     proc = cli("run", "out", "--slurm", "--print-only", cwd=tmp_path, env=env)
     assert "#SBATCH --array=2\n" in proc.stdout
+
+
+def test_an_option_added_since_planning_changes_nothing_at_its_default():
+    from outlier_titan.study.plan import _config_diff
+
+    old = '[job]\nname = "a"\n\n[training]\nsteps = 10\n'
+    assert _config_diff(old, old.replace('"a"', '"b"')) == []  # job.* is not the point's science
+    assert _config_diff(old, old + "seed = 0\n") == []  # written at its default (training.seed = 0)
+    assert _config_diff(old, old + "seed = 3\n") == ["training.seed: 'default' -> 3"]
+    assert _config_diff(old + "seed = 3\n", old) == ["training.seed: 3 -> 'default'"]
+    assert _config_diff(old, old.replace("10", "20")) == ["training.steps: 10 -> 20"]
