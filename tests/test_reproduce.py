@@ -236,3 +236,18 @@ def test_tile_study_section_judges_each_tile_edge_and_draws_the_figure(tmp_path)
     assert verdicts[2].startswith("- tile 32: **not reproduced**")
     assert any(ln.startswith("| baseline | ") and "30 ± 2" in ln for ln in lines)
     assert (tmp_path / "tile_study.png").stat().st_size > 1000
+
+
+def test_a_stopped_sweep_is_not_evaluated_or_reported(tmp_path, monkeypatch, capsys):
+    """SIGTERM / Ctrl-C to a reproduction stops it: points left pending mean no evaluation and no report."""
+    from outlier_titan.study import reproduce as study
+    from outlier_titan.study import runner
+    from outlier_titan.tools import reproduce as tool
+
+    monkeypatch.setattr(runner, "run_points", lambda sweep_dir, manifest, parallel: {
+        p["name"]: "done" if i == 0 else "pending" for i, p in enumerate(manifest["points"])})
+    monkeypatch.setattr(study, "build_report", lambda *a: pytest.fail("reported a stopped sweep"))
+    rc = tool.main(["--suite", "kaul2024", "--scale", "smoke", "--sweep-dir", str(tmp_path / "s"), "--out",
+                    str(tmp_path / "r")])
+    assert rc == 1 and not (tmp_path / "r").exists()
+    assert "no evaluation or report; the same command resumes" in capsys.readouterr().err
