@@ -47,6 +47,8 @@ import time
 import traceback
 from pathlib import Path
 
+from outlier_titan.provenance import git_commit
+
 REPO = Path(__file__).resolve().parents[1]
 PART_BUDGET_S = 560.0  # a device call may run 600 s; the rest is start-up and writing
 PARTS = ("1", "2", "3")
@@ -151,7 +153,7 @@ def environment() -> dict:
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "cuda_available": torch.cuda.is_available(), "hostname": platform.node(),
-           "cpus": os.cpu_count(), "commit": _git_commit()}
+           "cpus": os.cpu_count(), "commit": git_commit()}
     try:
         import triton
         env["triton"] = triton.__version__
@@ -175,14 +177,6 @@ def environment() -> dict:
     env["missing_modules"] = _missing_dependencies()
     env["import_failures"] = _import_failures()
     return env
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
 
 
 def _required_torch() -> str | None:

@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("script, argv, expected", [
     ("evaluate", ["--help"], ["Writes ``FILE``", "(default: 65536)", "(default: auto)"]),
     ("analyze", ["--help"], ["Panels:", "(default: kurtosis_first,"]),
+    ("anatomy", ["--help"], ["Large = |x| above", "(default: 16384)"]),
     ("train_tokenizer", ["--help"], ["counts the EOS special token", "(default: 4096)"]),
     ("benchmark", ["optim", "--help"], ["(default: 256,64)", "(default: 5)"]),
 ])

@@ -106,7 +106,7 @@ def test_park2025_smoke_report_comes_from_the_runs(tmp_path):
         records = read_metrics(folder / "metrics.jsonl")
         assert rows[p.name]["status"] == "done" and "loss" in records[p.cfg.training.steps]
         ev = json.loads((folder / "eval" / f"step-{p.cfg.training.steps}.json").read_text())
-        assert [e["scheme"] for e in ev["schemes"]] == list(info.schemes) == ["w4a4kv4_rtn", "w4a4kv4_rtn_hadamard"]
+        assert [e["scheme"] for e in ev["schemes"]] == list(info.all_schemes) == ["w4a4kv4_rtn", "w4a4kv4_rtn_hadamard"]
         osp = ev["osp_kurtosis"]["osp_kurtosis"]
         assert float(rows[p.name]["eval_osp_kurtosis"]) == pytest.approx(osp)
         probe = [records[s] for s in sorted(records) if "outliers/kurtosis_neuron_rms" in records[s]]

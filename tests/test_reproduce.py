@@ -14,6 +14,7 @@ import pytest
 
 from outlier_titan.data.tokenizer import EMBEDDED_BPE
 from outlier_titan.observe.logger import read_metrics
+from outlier_titan.provenance import code_version
 from outlier_titan.study.papers import SUITE_INFO
 from outlier_titan.study.stats import VERDICTS, estimate
 from outlier_titan.study import stats
@@ -65,7 +66,7 @@ def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path):
         assert rows[p.name]["status"] == "done" and "loss" in records[final]
         assert (out / "runs" / p.name / "metrics.jsonl").read_text() == (folder / "metrics.jsonl").read_text()
         ev = json.loads((folder / "eval" / f"step-{final}.json").read_text())
-        assert [e["scheme"] for e in ev["schemes"]] == list(info.schemes)
+        assert [e["scheme"] for e in ev["schemes"]] == list(info.all_schemes)
         # the numbers of the comparison table are the run's own (metrics.jsonl / evaluation report)
         val = [records[s]["val_loss"] for s in sorted(records) if "val_loss" in records[s]]
         assert float(rows[p.name]["final_val_loss"]) == pytest.approx(val[-1])
@@ -97,6 +98,10 @@ def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path):
     for fig in ("kurtosis.png", "first_token.png", "loss.png"):
         assert (out / "figures" / fig).stat().st_size > 1000
     assert list((out / "figures").glob("hidden_*.png"))
+    # provenance: the code that trained every point and the code that wrote the report
+    assert f"at code {code_version()}; points trained at code {code_version()} ({len(planned)} points)." in report
+    # the added 4-bit columns are marked as such
+    assert "w4a4kv4_rtn (added)" in report and "no verdict rests on them" in report
     # running again re-uses the finished points and evaluations
     again = _run("--suite", suite, "--scale", "smoke", "--sweep-dir", str(sweep_dir), "--out", str(out))
     assert again.returncode == 0, again.stderr[-2000:]
@@ -231,3 +236,18 @@ def test_tile_study_section_judges_each_tile_edge_and_draws_the_figure(tmp_path)
     assert verdicts[2].startswith("- tile 32: **not reproduced**")
     assert any(ln.startswith("| baseline | ") and "30 ± 2" in ln for ln in lines)
     assert (tmp_path / "tile_study.png").stat().st_size > 1000
+
+
+def test_a_stopped_sweep_is_not_evaluated_or_reported(tmp_path, monkeypatch, capsys):
+    """SIGTERM / Ctrl-C to a reproduction stops it: points left pending mean no evaluation and no report."""
+    from outlier_titan.study import reproduce as study
+    from outlier_titan.study import runner
+    from outlier_titan.tools import reproduce as tool
+
+    monkeypatch.setattr(runner, "run_points", lambda sweep_dir, manifest, parallel: {
+        p["name"]: "done" if i == 0 else "pending" for i, p in enumerate(manifest["points"])})
+    monkeypatch.setattr(study, "build_report", lambda *a: pytest.fail("reported a stopped sweep"))
+    rc = tool.main(["--suite", "kaul2024", "--scale", "smoke", "--sweep-dir", str(tmp_path / "s"), "--out",
+                    str(tmp_path / "r")])
+    assert rc == 1 and not (tmp_path / "r").exists()
+    assert "no evaluation or report; the same command resumes" in capsys.readouterr().err

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import REPO
+from outlier_titan.provenance import code_version
 
 BASE = REPO / "train_configs" / "debug.toml"
 TINY = """
@@ -206,8 +207,9 @@ def test_run_local_with_a_failing_point(local_sweep):
     for p in manifest["points"][:2]:
         log = (out / "points" / p["name"] / "train.log").read_text()
         assert f"{p['params'] / 1e6:.2f}M params, {p['flops_per_token'] / 1e6:.1f} MFLOP/token" in log
-        pid = json.loads((out / "points" / p["name"] / "sweep_state.json").read_text())["pid"]
-        assert pid != os.getpid()
+        state = json.loads((out / "points" / p["name"] / "sweep_state.json").read_text())
+        assert state["pid"] != os.getpid()
+        assert state["code"] == [code_version()]  # the code that ran the attempt (one attempt, one version)
 
 
 @pytest.mark.slow
@@ -398,3 +400,14 @@ def test_slurm_fake_sbatch_equals_local(tmp_path, local_sweep):
     # only the unfinished (failed) point is submitted again
     proc = cli("run", "out", "--slurm", "--print-only", cwd=tmp_path, env=env)
     assert "#SBATCH --array=2\n" in proc.stdout
+
+
+def test_an_option_added_since_planning_changes_nothing_at_its_default():
+    from outlier_titan.study.plan import _config_diff
+
+    old = '[job]\nname = "a"\n\n[training]\nsteps = 10\n'
+    assert _config_diff(old, old.replace('"a"', '"b"')) == []  # job.* is not the point's science
+    assert _config_diff(old, old + "seed = 0\n") == []  # written at its default (training.seed = 0)
+    assert _config_diff(old, old + "seed = 3\n") == ["training.seed: 'default' -> 3"]
+    assert _config_diff(old + "seed = 3\n", old) == ["training.seed: 3 -> 'default'"]
+    assert _config_diff(old, old.replace("10", "20")) == ["training.steps: 10 -> 20"]

@@ -51,6 +51,14 @@ class Initializer:
         if param is not None:
             self._write(param, lambda t: t.fill_(value))
 
+    def orthogonal(self, param: torch.Tensor) -> None:
+        """A random orthogonal matrix (Haar: the Q of a Gaussian matrix's QR with the signs of R's diagonal)."""
+        def fill(t: torch.Tensor) -> None:
+            g = torch.empty(t.shape, dtype=torch.float64, device=t.device).normal_(generator=self.gen)
+            q, r = torch.linalg.qr(g)
+            t.copy_(q * torch.sign(torch.diagonal(r)).unsqueeze(0))
+        self._write(param, fill)
+
     def value(self, param: torch.Tensor, full: torch.Tensor) -> None:
         """Sets the parameter to a given full tensor (e.g. an explicitly normalised matrix)."""
         self._write(param, lambda t: t.copy_(full))

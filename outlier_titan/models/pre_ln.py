@@ -145,7 +145,10 @@ class PreLNTransformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # Outlier-Safe Pre-Training's projections (models/embed_proj.py): after the embedding, before the head
         self.embed_proj = nn.Linear(args.dim, args.dim, bias=False) if args.embed_proj else None
+        self.head_proj = nn.Linear(args.dim, args.dim, bias=False) if args.embed_proj and args.embed_proj_head \
+            else None
         self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim) if args.pos_encoding == "learned" else None
         # One rotary table shared by all blocks (a non-persistent buffer, not a parameter).
         self.rope = (build_rope(args.dim // args.n_heads, args.max_seq_len, args.rope_theta, args.rope_fraction)
@@ -163,6 +166,8 @@ class PreLNTransformer(nn.Module):
         for block in self.layers.values():
             x = block(x)
         x = self.norm(x)
+        if self.head_proj is not None:
+            x = self.head_proj(x)
         if self.output is None:
             return x @ self.tok_embeddings.weight.t()
         return self.output(x)
@@ -172,8 +177,13 @@ class PreLNTransformer(nn.Module):
         """GPT-2 init: N(0, std) everywhere, residual output projections N(0, std / sqrt(2 L))."""
         a = self.args
         init.normal(self.tok_embeddings.weight, a.init_std)
-        if self.embed_proj is not None:
-            init.value(self.embed_proj.weight, torch.eye(a.dim))
+        for proj in (self.embed_proj, self.head_proj):
+            if proj is None:
+                continue
+            if a.embed_proj_init == "orthogonal":
+                init.orthogonal(proj.weight)
+            else:
+                init.value(proj.weight, torch.eye(a.dim))
         if self.pos_embeddings is not None:
             init.normal(self.pos_embeddings.weight, a.init_std)
         for block in self.layers.values():

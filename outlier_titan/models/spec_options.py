@@ -39,8 +39,14 @@ NORMS = ("layernorm", "rmsnorm", "rmsnorm_single", "rmsnorm_nogain")
 class PreLNOptions:
     norm: str = opt("layernorm", "Norm type (rmsnorm_single: one scalar gain, Kaul et al. 2024's RMSNormSingle; "
                                  "rmsnorm_nogain: no gain).", NORMS)
-    embed_proj: bool = opt(False, "A learnable d x d projection after the token embedding, identity at init "
-                                  "(Outlier-Safe Pre-Training); merged into the embedding on export.")
+    embed_proj: bool = opt(False, "Outlier-Safe Pre-Training's embedding projection (Park et al. 2025): learnable d x d "
+                                  "projections after the token embedding and (embed_proj_head) between the final "
+                                  "norm and the head; merged into the embedding and the head on export.")
+    embed_proj_head: bool = opt(True, "With model.embed_proj: also the projection before the head, as the released "
+                                      "OSP code has it (false: only the one after the embedding, a variant).")
+    embed_proj_init: str = opt("orthogonal", "With model.embed_proj: the projections' initialisation, a random "
+                                             "orthogonal matrix as the released OSP code (identity: a variant).",
+                               ("orthogonal", "identity"))
 
 
 OP_BLOCKS = ("op", "pre_ln", "pre_rms", "pre_srms", "post_ln")

@@ -200,12 +200,13 @@ def kv_quantizer(bits: int, group: int | None, rotation: torch.Tensor | None = N
 
 def linear_targets(model: nn.Module, include_head: bool) -> dict[str, nn.Linear]:
     """The linear layers a scheme quantises: every ``nn.Linear``, the top-level ``output`` head only if asked. The
-    embedding projection (``model.embed_proj``) is not one: it is folded into the embedding on export, so the
-    deployed model has no such layer, and the embedding it reads stays in full precision as the folded one would."""
+    embedding projections (``model.embed_proj``: ``embed_proj``, ``head_proj``) are not: export folds them into the
+    embedding and the head, so the deployed model has no such layers (the embedding stays in full precision as the
+    folded one would; the head is quantised only if asked)."""
     head = getattr(model, "output", None)
-    proj = getattr(model, "embed_proj", None)
+    projs = [p for p in (getattr(model, "embed_proj", None), getattr(model, "head_proj", None)) if p is not None]
     return {name: m for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and (include_head or m is not head) and m is not proj}
+            if isinstance(m, nn.Linear) and (include_head or m is not head) and all(m is not p for p in projs)}
 
 
 def residual_stream_points(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:

@@ -2,8 +2,9 @@
 
 :func:`rotate` returns a rotated *copy* of a model whose full-precision function is the original's:
 
-1. Untie the head (a tied head becomes an ``output`` linear holding a copy of the embedding matrix), and fold an
-   embedding projection (``model.embed_proj``) into the token embedding, ``E <- E P^T``, as export does.
+1. Untie the head (a tied head becomes an ``output`` linear holding a copy of the embedding matrix), and fold the
+   embedding projections (``model.embed_proj``) into the token embedding and the head, ``E <- E P1^T``,
+   ``W <- W P2``, as export does.
 2. LayerNorm only: subtract the mean from everything that writes into the residual stream (token and learned
    position embeddings, the outputs of ``wo`` and ``w2`` with their biases), so the stream is exactly zero-mean
    and every LayerNorm equals an RMSNorm of the same eps (QuaRot's handling of LayerNorm models).
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from outlier_titan.models.embed_proj import fold_embed_proj
 from outlier_titan.models.layers import Attention, LayerNorm, RMSNorm
 
 
@@ -181,10 +183,8 @@ def _rotate_pre_ln(m: nn.Module, seed: int) -> str:
         head.weight.copy_(m.tok_embeddings.weight)
         m.output = head
         notes.append("head untied")
-    if getattr(m, "embed_proj", None) is not None:  # Park et al. 2025's projection: fold it as export does
-        _set(m.tok_embeddings.weight, m.tok_embeddings.weight.double() @ m.embed_proj.weight.double().t())
-        m.embed_proj = None
-        notes.append("embedding projection folded into the embedding")
+    if fold_embed_proj(m):  # Park et al. 2025's projections: folded as export does
+        notes.append("embedding projections folded into the embedding and the head")
     blocks = list(m.layers.values())
     embeds = [e for e in (m.tok_embeddings, m.pos_embeddings) if e is not None]
     writers = [lin for b in blocks for lin in (b.attention.wo, b.feed_forward.w2)]

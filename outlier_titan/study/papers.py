@@ -20,18 +20,31 @@ class PaperRow:
     source: str
 
 
+FOUR_BIT_SCHEMES = ("w4a4kv4_rtn", "w4a4kv4_rtn_hadamard")
+"""The 4-bit rows every suite's report adds beside its paper's own schemes: W4A4KV4 round-to-nearest and the same
+after a QuaRot-style Hadamard rotation (``quant/ptq.py``). They ask whether a training-time remedy still matters
+once an inference-time one is applied; only park2025's verdicts rest on them. (The GPTQ rows cost about 1.5 CPU-
+minutes more per cpu-scale point; run ``scripts/evaluate.py --schemes`` on a checkpoint for them.)"""
+
+
 @dataclass(frozen=True)
 class SuiteInfo:
     title: str
     citation: str
     metrics: dict[str, str]           # metric key -> column header (order = table order)
     rows: list[PaperRow] = field(default_factory=list)
-    schemes: tuple[str, ...] = ()     # scripts/evaluate.py --schemes
+    schemes: tuple[str, ...] = ()     # the paper's own PTQ schemes (scripts/evaluate.py --schemes): verdicts use these
+    extra_schemes: tuple[str, ...] = FOUR_BIT_SCHEMES  # evaluated and tabled too, no verdict rests on them
     kurtosis: str = "kurtosis_rest"   # the probe metric of the kurtosis trajectory figure
     extra_probe: tuple[str, ...] = ()  # further probe metrics of the report's peaks table
     # the tile-size study (``--scale tiles``): the baseline's and the remedy's axes, the claim's metric and factor,
     # and the metrics plotted against the tile edge
     tile_study: tuple[dict[str, object], dict[str, object], str, float, tuple[str, ...]] | None = None
+
+    @property
+    def all_schemes(self) -> tuple[str, ...]:
+        """Every scheme the suite's evaluation runs: the paper's, then the added ones."""
+        return tuple(dict.fromkeys(self.schemes + self.extra_schemes))
 
 
 def _k(opt: str, sm: str, norm: str) -> dict[str, object]:

@@ -6,7 +6,8 @@ Layout of a sweep folder::
     SWEEP_DIR/sweep.toml             the sweep file as planned
     SWEEP_DIR/points/<name>/         the point's run folder (job.dump_folder = SWEEP_DIR/points, job.name = name):
         config.toml                  the resolved config (the trainer writes the same file)
-        sweep_state.json             the sweep's record: status, trainer pid, attempts, wall time, error line
+        sweep_state.json             the sweep's record: status, trainer pid, attempts, wall time, error line, the
+                                     code of each attempt (`code`: commit, +dirty when changed)
         train.log, metrics.jsonl, tb/, checkpoints/   (the trainer's)
     SWEEP_DIR/replaced/              run folders of points whose config changed at a forced re-plan
 """
@@ -53,15 +54,22 @@ def read_manifest(sweep_dir: str | Path) -> dict[str, Any]:
 
 
 def _config_diff(old: str, new: str) -> list[str]:
-    """``section.key: old -> new`` for every differing key of two resolved configs (job.* excluded)."""
+    """``section.key: old -> new`` for every differing key of two resolved configs (job.* excluded). A key one
+    side lacks counts at today's default, so an option added since a sweep was planned (or no longer written)
+    changes nothing while it is at its default."""
+    from outlier_titan.config.job_config import JobConfig
+    from outlier_titan.config.manager import to_dict
+
     a, b = tomllib.loads(old), tomllib.loads(new)
+    defaults = to_dict(JobConfig())
     out = []
     for sec in sorted(set(a) | set(b)):
         if sec == "job":
             continue
-        sa, sb = a.get(sec, {}), b.get(sec, {})
+        sa, sb, sd = a.get(sec, {}), b.get(sec, {}), defaults.get(sec, {})
         for key in sorted(set(sa) | set(sb)):
-            if sa.get(key) != sb.get(key):
+            va, vb = sa.get(key, sd.get(key)), sb.get(key, sd.get(key))
+            if va != vb:
                 out.append(f"{sec}.{key}: {sa.get(key, 'default')!r} -> {sb.get(key, 'default')!r}")
     return out
 

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from outlier_titan.errors import UserError
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.packaged import child_environment, configs_dir
+from outlier_titan.provenance import code_version
 from outlier_titan.study import stats
 from outlier_titan.study.papers import SUITE_INFO, SuiteInfo
 from outlier_titan.study.plan import point_dir
@@ -82,10 +83,10 @@ def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, 
     for e in manifest["points"]:
         folder = point_dir(sweep_dir, e["name"])
         ckpt = folder / "checkpoints" / f"step-{e['steps']}"
-        if not is_finished(folder, e) or (folder / "eval" / f"step-{e['steps']}.json").is_file():
+        if not is_finished(folder, e) or _evaluated(folder / "eval" / f"step-{e['steps']}.json", info.all_schemes):
             continue
         cmd = [sys.executable, "-m", "outlier_titan.tools.evaluate", "--checkpoint", str(ckpt), "--device", "cpu"
-               if scale != "gpu" else "auto", "--schemes", ",".join(info.schemes), "--tokens", str(a["tokens"]),
+               if scale != "gpu" else "auto", "--schemes", ",".join(info.all_schemes), "--tokens", str(a["tokens"]),
                "--batch-size", str(a["batch_size"]), "--calib-batches", str(a["calib_batches"]),
                "--calib-seeds", str(a["calib_seeds"])]
         with (folder / "eval.log").open("w") as log:
@@ -94,6 +95,18 @@ def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, 
         if rc != 0:
             failed.append(e["name"])
     return failed
+
+
+def _evaluated(report: Path, schemes: tuple[str, ...]) -> bool:
+    """Whether an evaluation report exists and covers every scheme (one from an older suite file that lacked some
+    is run again, whole: its numbers then come from one evaluation)."""
+    if not report.is_file():
+        return False
+    try:
+        done = {e.get("scheme") for e in json.loads(report.read_text()).get("schemes", [])}
+    except (json.JSONDecodeError, AttributeError):
+        return False
+    return set(schemes) <= done
 
 
 # ------------------------------------------------------------------------------------------------ numbers
@@ -550,6 +563,24 @@ def _axes_label(row: dict[str, Any], axes: list[str]) -> str:
     return ", ".join(f"{a}={row.get(a)}" for a in axes if a != "seed")
 
 
+def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
+    """The report's sentence on the code that trained the points (``code`` of each ``sweep_state.json``)."""
+    from outlier_titan.study.runner import read_state
+
+    codes: dict[str, int] = {}
+    missing = 0
+    for r in rows:
+        recorded = read_state(point_dir(sweep_dir, r["point"])).get("code", [])
+        missing += not recorded
+        for c in recorded:
+            codes[c] = codes.get(c, 0) + 1
+    if not codes:
+        return "the code that trained the points is not recorded in their `sweep_state.json`."
+    parts = [f"{c} ({n} point{'s' * (n != 1)})" for c, n in codes.items()]
+    return ("points trained at code " + ", ".join(parts)
+            + (f"; {missing} point{'s' * (missing != 1)} without a record" if missing else "") + ".")
+
+
 def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: dict[str, Any],
                  columns: list[str], rows: list[dict[str, Any]], eval_failed: list[str]) -> Path:
     """``out/report.md`` with figures under ``out/figures`` and each point's logs under ``out/runs``."""
@@ -578,7 +609,8 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     lines = [f"# {info.title} — {scale} scale", "",
              f"Paper: {info.citation}. Suite file: `train_configs/suites/{suite}/{scale}.toml`; sweep folder: "
              f"`{sweep_dir}`. Written {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC by "
-             f"`python scripts/reproduce.py --suite {suite} --scale {scale}`.", "",
+             f"`python scripts/reproduce.py --suite {suite} --scale {scale}` at code {code_version()}; "
+             f"{trained_by(sweep_dir, rows)}", "",
              f"{done} of {len(rows)} points finished: {len(groups)} settings × training seeds {seeds}. Every number "
              f"of ours is the mean ± sd over those seeds (per-seed values in the appendix); verdicts are decided "
              f"from intervals over the seeds, and the test is named beside each. Our numbers come from "
@@ -706,13 +738,19 @@ def tile_study_section(groups: list[dict[str, Any]], info: SuiteInfo, fig_dir: P
 
 def ptq_table(groups: list[dict[str, Any]], info: SuiteInfo) -> list[str]:
     """Markdown: per setting and scheme, Δppl as mean ± sd over training seeds, and the calibration spread (the
-    mean over training seeds of the PPL's sd over calibration seeds) where the scheme is calibrated."""
-    head = ["## Quantisation: Δppl over training seeds (calibration spread)", "",
-            "| setting | PPL | " + " | ".join(info.schemes) + " |", "|---|---|" + "---|" * len(info.schemes)]
+    mean over training seeds of the PPL's sd over calibration seeds) where the scheme is calibrated or rotated.
+    The paper's own schemes come first; the added 4-bit ones are marked."""
+    schemes = info.all_schemes
+    names = [s if s in info.schemes else f"{s} (added)" for s in schemes]
+    head = ["## Quantisation: Δppl over training seeds (calibration spread)", ""]
+    if len(schemes) > len(info.schemes):
+        head += ["Columns marked *(added)* are 4-bit schemes every suite evaluates beside its paper's own (their "
+                 "recipes: `scripts/evaluate.py --help`); no verdict rests on them.", ""]
+    head += ["| setting | PPL | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(schemes)]
     body = []
     for g in groups:
         cells = []
-        for scheme in info.schemes:
+        for scheme in schemes:
             d, c = g.get(f"ptq_delta_ppl_{scheme}"), g.get(f"ptq_calib_sd_{scheme}")
             cells.append(fmt(d) + (f" (calib. sd {c.mean:.2g})" if isinstance(c, Estimate) else ""))
         body.append(f"| {g['point']} | {fmt(g.get('ppl'))} | " + " | ".join(cells) + " |")

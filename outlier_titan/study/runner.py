@@ -15,7 +15,7 @@ One code path for ``run --local`` (many points, ``--parallel K`` at a time) and 
   "checkpoint at the next step boundary and exit 75"; the launcher forwards it to its ranks), and no new point
   starts;
 - a failing point does not stop the others: its status and the trainer's one-line ``error:`` message (or the
-  last line of its log) are recorded in ``sweep_state.json``;
+  last line of its log) are recorded in ``sweep_state.json``, with the code (commit) of every attempt;
 - the CPU threads are shared out: unless ``OMP_NUM_THREADS`` is set, every trainer process gets
   ``cpus // (parallel * nproc)`` threads (at least 1), so parallel points do not oversubscribe the cores
   (two trainers of 2 threads each on 2 cores: 750-1,000 tokens/s each; of 1 thread: 2,850-2,900).
@@ -40,6 +40,7 @@ from outlier_titan.errors import UserError
 from outlier_titan.exit_codes import STOPPED
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.packaged import child_environment
+from outlier_titan.provenance import code_version
 from outlier_titan.study.plan import point_dir
 
 STATE = "sweep_state.json"
@@ -240,8 +241,11 @@ class PointRun:
             self.proc = subprocess.Popen(self.command, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=self.env, preexec_fn=lambda p=os.getpid(): _child_setup(p))
         if self.primary:
+            # the code of every attempt (a resumed point may have run on two versions): the report states them
+            codes = self.state.get("code", [])
             self.state.update(status="running", pid=self.proc.pid, host=socket.gethostname(), started=self.t0,
-                              attempts=self.state.get("attempts", 0) + 1, error="")
+                              attempts=self.state.get("attempts", 0) + 1, error="",
+                              code=codes + [code_version()] if code_version() not in codes[-1:] else codes)
             write_state(folder, self.state)
 
     def poll(self) -> int | None:

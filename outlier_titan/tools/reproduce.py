@@ -96,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
         result = run_points(sweep_dir, manifest, parallel=args.parallel)
         n_done = list(result.values()).count("done")
         print(f"sweep {sweep_dir}: {n_done} of {len(result)} points done", file=sys.stderr)
+        pending = list(result.values()).count("pending")
+        if pending:  # stopped (a signal): evaluating and reporting now would only delay the stop
+            print(f"stopped with {pending} point(s) unfinished: no evaluation or report; the same command resumes",
+                  file=sys.stderr)
+            return 1
     else:
         read_manifest(sweep_dir)
     report = build_report(args.suite, args.scale, sweep_dir, out)

@@ -1,0 +1,42 @@
+"""Which code produced a result: the git commit of the package's checkout (with ``+dirty`` when tracked files
+differ from it), or the package version when it is not a git checkout (an installed wheel).
+
+Sweeps record it per point and attempt (``sweep_state.json``), reports state it, so a number can be traced to the
+code that made it even when the sweep ran from another clone or worktree.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=PACKAGE_ROOT, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_commit() -> str | None:
+    """The full commit hash of the package's checkout, or None outside a git checkout."""
+    if not (PACKAGE_ROOT / ".git").exists():  # a file in a worktree, a folder in a clone
+        return None
+    return _git("rev-parse", "HEAD") or None
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """``<12-hex commit>`` or ``<commit>+dirty`` (tracked files changed; untracked ones are ignored), else
+    ``outlier_titan <version>``."""
+    commit = git_commit()
+    if commit is None:
+        from outlier_titan import __version__
+
+        return f"outlier_titan {__version__}"
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return commit[:12] + ("+dirty" if dirty else "")

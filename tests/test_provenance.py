@@ -1,0 +1,82 @@
+"""Provenance of results: the code version a sweep point and a report record, and the 4-bit rows every
+reproduction report adds beside its paper's schemes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from outlier_titan import __version__, provenance
+from outlier_titan.study.papers import FOUR_BIT_SCHEMES, SUITE_INFO
+from outlier_titan.study.reproduce import _evaluated, ptq_table, trained_by
+from outlier_titan.study.stats import estimate
+
+
+def _git(cwd, *args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                   capture_output=True)
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch):
+    monkeypatch.setattr(provenance, "PACKAGE_ROOT", tmp_path)
+    provenance.code_version.cache_clear()
+    yield tmp_path
+    provenance.code_version.cache_clear()
+
+
+def test_code_version_is_the_commit_dirty_only_for_changed_tracked_files(checkout):
+    assert provenance.code_version() == f"outlier_titan {__version__}"  # not a git checkout: the version
+    provenance.code_version.cache_clear()
+    _git(checkout, "init", "-q")
+    (checkout / "a.py").write_text("x = 1\n")
+    _git(checkout, "add", "a.py")
+    _git(checkout, "commit", "-q", "-m", "one")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout.strip()
+    (checkout / "untracked.txt").write_text("run outputs\n")
+    assert provenance.code_version() == head[:12]
+    provenance.code_version.cache_clear()
+    (checkout / "a.py").write_text("x = 2\n")
+    assert provenance.code_version() == head[:12] + "+dirty"
+    assert provenance.git_commit() == head
+
+
+def test_report_states_the_code_of_each_point(tmp_path):
+    points = tmp_path / "points"
+    for name, state in (("a_s0", {"code": ["abc"]}), ("a_s1", {"code": ["abc", "def+dirty"]}), ("a_s2", {})):
+        (points / name).mkdir(parents=True)
+        (points / name / "sweep_state.json").write_text(json.dumps(state))
+    rows = [{"point": n} for n in ("a_s0", "a_s1", "a_s2")]
+    assert trained_by(tmp_path, rows) == ("points trained at code abc (2 points), def+dirty (1 point); 1 point "
+                                          "without a record.")
+    assert "not recorded" in trained_by(tmp_path, rows[2:])
+
+
+def test_an_evaluation_missing_a_scheme_runs_again(tmp_path):
+    report = tmp_path / "step-10.json"
+    assert not _evaluated(report, ("int8_fine",))
+    report.write_text(json.dumps({"schemes": [{"scheme": "int8_fine"}]}))
+    assert _evaluated(report, ("int8_fine",))
+    assert not _evaluated(report, ("int8_fine", "w4a4kv4_rtn"))  # an older suite file's evaluation
+    report.write_text("{truncated")
+    assert not _evaluated(report, ("int8_fine",))
+
+
+def test_every_suite_adds_the_4bit_rows_marked_as_added():
+    for name, info in SUITE_INFO.items():
+        assert info.all_schemes[:len(info.schemes)] == info.schemes, name  # the paper's own first
+        assert set(FOUR_BIT_SCHEMES) <= set(info.all_schemes), name
+        assert len(set(info.all_schemes)) == len(info.all_schemes), name
+    info = SUITE_INFO["he2024"]
+    group = {"point": "op_soap", "ppl": estimate([50.0, 52.0]),
+             "ptq_delta_ppl_w8a8_static": estimate([0.5, 0.7]), "ptq_calib_sd_w8a8_static": estimate([0.1, 0.1]),
+             "ptq_delta_ppl_w4a4kv4_rtn": estimate([3.0, 5.0])}
+    lines = ptq_table([group], info)
+    header = next(line for line in lines if line.startswith("| setting"))
+    assert header == "| setting | PPL | w8a8_static | w4a4kv4_rtn (added) | w4a4kv4_rtn_hadamard (added) |"
+    row = lines[-2]
+    assert row.startswith("| op_soap | 51 ± 1.4 | 0.6 ± 0.14 (calib. sd 0.1) | 4 ± 1.4 |"), row
+    # park2025's verdicts rest on its 4-bit schemes: nothing to mark there
+    assert not any("(added)" in line for line in ptq_table([group], SUITE_INFO["park2025"]))
