@@ -150,13 +150,15 @@ def markdown(by_step: dict[int, dict[str, dict[str, Any]]], factor: float, min_s
     """The anatomy as markdown: per checkpoint and block a row, then the channels' persistence."""
     steps = sorted(by_step)
     lines = [f"Large = |x| > {factor:g} × the sequence's median |x| at that block (Sun et al. 2024).", "",
-             "| step | block | max \\|x\\| | large / sequence | at position 0 | busiest channels (share) | "
-             "busiest tokens at positions > 0 (share) |", "|---|---|---|---|---|---|---|"]
+             "| step | block | max \\|x\\| at (position, token, channel) | large / sequence | at position 0 | "
+             "busiest channels (share) | busiest tokens at positions > 0 (share) |", "|---|---|---|---|---|---|---|"]
     for s in steps:
         for block, a in by_step[s].items():
+            top = a.get("top", [])
+            where = f" at ({top[0]['position']}, {top[0]['token']!r}, {top[0]['channel']})" if top else ""
             chans = ", ".join(f"{c['channel']} ({c['share']:.0%})" for c in a["channels"][:3]) or "—"
             toks = ", ".join(f"{t['token']!r} ({t['share']:.0%})" for t in a["busiest_tokens"][:3]) or "—"
-            lines.append(f"| {s} | {block} | {a['max_abs']:.4g} | {a['per_sequence']:.3g} | "
+            lines.append(f"| {s} | {block} | {a['max_abs']:.4g}{where} | {a['per_sequence']:.3g} | "
                          f"{a['first_position_share']:.0%} | {chans} | {toks} |")
     if len(steps) > 1:
         lines += ["", f"Channels carrying ≥ {min_share:.0%} of a block's large entries at some checkpoint; their "
