@@ -126,7 +126,7 @@ def test_park2025_smoke_report_comes_from_the_runs(tmp_path):
     # the embedding projection is folded before the QuaRot rotation: the rotated osp model is the merged one
     ev = json.loads((sweep_dir / "points" / "osp" / "eval" / "step-8.json").read_text())
     rot = next(e for e in ev["schemes"] if e["scheme"] == "w4a4kv4_rtn_hadamard")["rotation"]
-    assert "embedding projection folded" in rot["residual_rotation"]
+    assert "embedding projections folded into the embedding and the head" in rot["residual_rotation"]
     verdicts = re.findall(rf"^- \*\*({'|'.join(VERDICTS)})\*\* — (.*)$", report, re.M)
     assert len(verdicts) == 8  # one seed: no interval, so no claim is decided either way
     assert all(v not in ("reproduced", "not reproduced") for v, _ in verdicts), verdicts
