@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.pre_ln import GPT2, LLAMA, PreLNArgs, PreLNTransformer
+from outlier_titan.models.attention import VARIANTS
 from outlier_titan.quant import quantizers as qz
 from outlier_titan.quant.gptq import channel_scales, gptq_quantize, rtn_grid_quantize
 from outlier_titan.quant.ptq import SCHEMES, kv_quantizer, quantized
@@ -154,6 +155,23 @@ def test_rotated_model_equals_the_original_in_float64(base, kw):
     assert not close(rot.tok_embeddings.weight, m.tok_embeddings.weight, atol=1e-3)
     with torch.no_grad():
         assert torch.equal(m(tokens), ref)  # the original is untouched
+
+
+@pytest.mark.parametrize("attention", sorted(VARIANTS))
+def test_rotation_is_exact_for_every_attention_variant_and_the_osp_projections(attention):
+    """Every variant's extra parameters stay exact under the rotation (a gate's wg reads the normalised input like
+    wq / wk / wv; a sink logit is per head), and so do both OSP projections."""
+    m = _model(LLAMA, attention=attention, norm="rmsnorm_single", embed_proj=True)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    m = m.double()
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    rot, _ = rotate(m, seed=5)
+    with torch.no_grad():
+        ref, out = m(tokens), rot(tokens)
+    assert float((out - ref).abs().max()) < 1e-10 * float(ref.abs().max()), attention
 
 
 def test_specs_without_rotation_invariance_get_only_the_exact_online_hadamards():

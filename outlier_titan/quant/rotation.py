@@ -9,7 +9,7 @@
    position embeddings, the outputs of ``wo`` and ``w2`` with their biases), so the stream is exactly zero-mean
    and every LayerNorm equals an RMSNorm of the same eps (QuaRot's handling of LayerNorm models).
 3. Fold every norm's gain (vector, or the single-scale RMSNorm's scalar) and LayerNorm bias into the linear layers
-   that read its output (``wq wk wv``, ``w1 w3``, the head: ``W <- W diag(g)``, ``b <- b + W beta``); the norms
+   that read its output (``wq wk wv`` and a gate's ``wg``, ``w1 w3``, the head: ``W <- W diag(g)``, ``b <- b + W beta``); the norms
    become gain-less RMSNorms.
 4. Rotate the residual stream by ``Q = diag(s) H / sqrt(d)``, random signs ``s`` (seeded) times a Hadamard
    matrix: embeddings ``E <- E Q``, readers ``W <- W Q``, writers ``W <- Q^T W`` and ``b <- Q^T b``. A
@@ -174,6 +174,11 @@ def rotate(model: nn.Module, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     return rot, info
 
 
+def _gate(att: nn.Module) -> list[nn.Linear]:
+    """The gated attention variants' gate matrix ``wg``: it reads the block's normalised input, as wq / wk / wv do."""
+    return [att.wg] if getattr(att, "wg", None) is not None else []
+
+
 def _rotate_pre_ln(m: nn.Module, seed: int) -> str:
     dim = m.args.dim
     dev = m.tok_embeddings.weight.device
@@ -200,7 +205,7 @@ def _rotate_pre_ln(m: nn.Module, seed: int) -> str:
         notes.append("LayerNorm: residual writes mean-subtracted, norms as RMSNorm")
     for b in blocks:
         att, ff = b.attention, b.feed_forward
-        b.attention_norm = _fold_norm(b.attention_norm, [att.wq, att.wk, att.wv])
+        b.attention_norm = _fold_norm(b.attention_norm, [att.wq, att.wk, att.wv] + _gate(att))
         b.ffn_norm = _fold_norm(b.ffn_norm, [ff.w1] + ([ff.w3] if ff.w3 is not None else []))
     m.norm = _fold_norm(m.norm, [m.output])
     q, kind = orthogonal(dim, seed, randomise=True)
@@ -208,7 +213,8 @@ def _rotate_pre_ln(m: nn.Module, seed: int) -> str:
     for e in embeds:
         _set(e.weight, e.weight.double() @ q)
     readers = [m.output] + [lin for b in blocks for lin in (b.attention.wq, b.attention.wk, b.attention.wv,
-                                                            b.feed_forward.w1, b.feed_forward.w3) if lin is not None]
+                                                            *_gate(b.attention), b.feed_forward.w1,
+                                                            b.feed_forward.w3) if lin is not None]
     for lin in readers:
         _set(lin.weight, lin.weight.double() @ q)
     for lin in writers:
