@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
+from outlier_titan.observe.hooks import measuring
 from outlier_titan.observe.outliers import MASSIVE_FACTOR
 
 
@@ -108,17 +109,10 @@ def residual_anatomy(model: nn.Module, batches: Iterable[torch.Tensor], vocab_si
             layers[name].add(x, current[0])
         return fn
 
-    handles = [block.register_forward_hook(hook(name)) for name, block in model.layers.items()]
-    was_training = model.training
-    model.eval()
-    try:
+    with measuring(model, [block.register_forward_hook(hook(name)) for name, block in model.layers.items()]):
         for tokens in batches:
             current[:] = [tokens]
             model(tokens)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
     if not layers:
         raise ValueError("residual_anatomy needs at least one batch")
     return {name: a.summary(decode, n) for name, a in layers.items()}

@@ -28,6 +28,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from outlier_titan.observe.hooks import measuring
+
 F64 = torch.float64
 
 
@@ -53,22 +55,15 @@ def osp_excess_kurtosis(model: nn.Module, sequences: Iterable[torch.Tensor]) -> 
     (token tensors [T] or batches [B, T], each row one sequence): each sequence's tokens are fed as T separate
     length-1 sequences. Returns ``{"osp_kurtosis": mean over (sequence, hidden state), "osp_kurtosis_layer_<i>":
     the mean over sequences of hidden state i}`` (i = 0: the embedding output; L: the final norm's output)."""
-    was_training = model.training
-    model.eval()
     per_state: list[list[float]] = []
     states: list[torch.Tensor] = []
-    handles = hidden_states_hooks(model, states)  # once: each forward fills ``states`` afresh
-    try:
+    with measuring(model, hidden_states_hooks(model, states)):  # hooked once: each forward fills ``states`` afresh
         for batch in sequences:
             for seq in batch.reshape(-1, batch.shape[-1]):
                 states.clear()
                 model(seq.unsqueeze(1))
                 per_state.append([float(osp_token_excess_kurtosis(s.reshape(-1, s.shape[-1])).mean())
                                   for s in states])
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
     if not per_state:
         raise ValueError("osp_excess_kurtosis needs at least one sequence")
     table = torch.tensor(per_state, dtype=F64)
