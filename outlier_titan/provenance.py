@@ -8,7 +8,6 @@ code that made it even when the sweep ran from another clone or worktree.
 from __future__ import annotations
 
 import subprocess
-from functools import lru_cache
 from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
@@ -29,10 +28,10 @@ def git_commit() -> str | None:
     return _git("rev-parse", "HEAD") or None
 
 
-@lru_cache(maxsize=1)
 def code_version() -> str:
     """``<12-hex commit>`` or ``<commit>+dirty`` (tracked files changed; untracked ones are ignored), else
-    ``outlier_titan <version>``."""
+    ``outlier_titan <version>``. Not cached: a checkout may change under a long sweep, and each attempt records
+    what its trainer ran."""
     commit = git_commit()
     if commit is None:
         from outlier_titan import __version__

@@ -22,14 +22,11 @@ def _git(cwd, *args):
 @pytest.fixture
 def checkout(tmp_path, monkeypatch):
     monkeypatch.setattr(provenance, "PACKAGE_ROOT", tmp_path)
-    provenance.code_version.cache_clear()
-    yield tmp_path
-    provenance.code_version.cache_clear()
+    return tmp_path
 
 
 def test_code_version_is_the_commit_dirty_only_for_changed_tracked_files(checkout):
     assert provenance.code_version() == f"outlier_titan {__version__}"  # not a git checkout: the version
-    provenance.code_version.cache_clear()
     _git(checkout, "init", "-q")
     (checkout / "a.py").write_text("x = 1\n")
     _git(checkout, "add", "a.py")
@@ -37,7 +34,6 @@ def test_code_version_is_the_commit_dirty_only_for_changed_tracked_files(checkou
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout.strip()
     (checkout / "untracked.txt").write_text("run outputs\n")
     assert provenance.code_version() == head[:12]
-    provenance.code_version.cache_clear()
     (checkout / "a.py").write_text("x = 2\n")
     assert provenance.code_version() == head[:12] + "+dirty"
     assert provenance.git_commit() == head

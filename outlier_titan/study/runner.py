@@ -242,10 +242,10 @@ class PointRun:
                                          env=self.env, preexec_fn=lambda p=os.getpid(): _child_setup(p))
         if self.primary:
             # the code of every attempt (a resumed point may have run on two versions): the report states them
-            codes = self.state.get("code", [])
+            codes, code = self.state.get("code", []), code_version()
             self.state.update(status="running", pid=self.proc.pid, host=socket.gethostname(), started=self.t0,
                               attempts=self.state.get("attempts", 0) + 1, error="",
-                              code=codes + [code_version()] if code_version() not in codes[-1:] else codes)
+                              code=codes + [code] if code not in codes[-1:] else codes)
             write_state(folder, self.state)
 
     def poll(self) -> int | None:
