@@ -131,6 +131,15 @@ def _model(base: dict, std: float = 0.02, seed: int = 0, **kw) -> PreLNTransform
     return m.eval()
 
 
+def _perturbed_double(m: PreLNTransformer) -> tuple[PreLNTransformer, torch.Tensor]:
+    """The model with every parameter moved by 0.3 N(0, 1) (seeded), in float64, and a fixed token batch."""
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return m.double(), torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
 @pytest.mark.parametrize("base,kw", [
     (GPT2, {}),  # LayerNorm with biases, learned positions, tied head
     (LLAMA, dict(n_kv_heads=2)),  # RMSNorm, RoPE, SwiGLU, GQA, untied head
@@ -138,13 +147,7 @@ def _model(base: dict, std: float = 0.02, seed: int = 0, **kw) -> PreLNTransform
     (GPT2, dict(bias=False, mlp="relu")),  # LayerNorm without biases
 ], ids=["layernorm_gpt2", "rmsnorm_llama", "rmsnorm_single_qknorm", "layernorm_nobias"])
 def test_rotated_model_equals_the_original_in_float64(base, kw):
-    m = _model(base, **kw)
-    with torch.no_grad():  # non-trivial gains and biases, so folding them matters
-        g = torch.Generator().manual_seed(1)
-        for p in m.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-    m = m.double()
-    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    m, tokens = _perturbed_double(_model(base, **kw))  # non-trivial gains and biases, so folding them matters
     rot, info = rotate(m, seed=5)
     with torch.no_grad():
         ref, out = m(tokens), rot(tokens)
@@ -161,13 +164,7 @@ def test_rotated_model_equals_the_original_in_float64(base, kw):
 def test_rotation_is_exact_for_every_attention_variant_and_the_osp_projections(attention):
     """Every variant's extra parameters stay exact under the rotation (a gate's wg reads the normalised input like
     wq / wk / wv; a sink logit is per head), and so do both OSP projections."""
-    m = _model(LLAMA, attention=attention, norm="rmsnorm_single", embed_proj=True)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(1)
-        for p in m.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-    m = m.double()
-    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    m, tokens = _perturbed_double(_model(LLAMA, attention=attention, norm="rmsnorm_single", embed_proj=True))
     rot, _ = rotate(m, seed=5)
     with torch.no_grad():
         ref, out = m(tokens), rot(tokens)

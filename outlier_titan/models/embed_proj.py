@@ -41,20 +41,16 @@ def merge_embed_proj(state: dict[str, torch.Tensor], args) -> tuple[dict[str, to
 
 @torch.no_grad()
 def fold_embed_proj(model: torch.nn.Module) -> bool:
-    """Folds a ``pre_ln`` model's projections into its embedding and head in place (as export does; the head is
-    untied first when tied); True when there was one. For evaluation transforms that need the plain model."""
-    proj = getattr(model, "embed_proj", None)
-    if proj is None:
+    """Folds a ``pre_ln`` model's projections into its embedding and head in place, with :func:`merge_embed_proj`'s
+    arithmetic (the head is untied when tied); True when there was one. For evaluation transforms that need the
+    plain model."""
+    if getattr(model, "embed_proj", None) is None:
         return False
     emb = model.tok_embeddings.weight
+    state, _ = merge_embed_proj({k: v for k, v in model.state_dict().items()}, model.args)
     if model.output is None:
         model.output = torch.nn.Linear(emb.shape[1], emb.shape[0], bias=False).to(device=emb.device, dtype=emb.dtype)
-        model.output.weight.copy_(emb)
-    head_proj = getattr(model, "head_proj", None)
-    if head_proj is not None:
-        w = model.output.weight
-        w.copy_((w.double() @ head_proj.weight.double()).to(w.dtype))
-        model.head_proj = None
-    emb.copy_((emb.double() @ proj.weight.double().t()).to(emb.dtype))
-    model.embed_proj = None
+    model.output.weight.copy_(state["output.weight"])
+    emb.copy_(state["tok_embeddings.weight"])
+    model.embed_proj = model.head_proj = None
     return True

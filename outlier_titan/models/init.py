@@ -52,11 +52,12 @@ class Initializer:
             self._write(param, lambda t: t.fill_(value))
 
     def orthogonal(self, param: torch.Tensor) -> None:
-        """A random orthogonal matrix (Haar: the Q of a Gaussian matrix's QR with the signs of R's diagonal)."""
+        """A random (Haar) orthogonal matrix from a float64 Gaussian drawn with this initializer's generator."""
+        from outlier_titan.optim.bases import haar_from_gaussian
+
         def fill(t: torch.Tensor) -> None:
             g = torch.empty(t.shape, dtype=torch.float64, device=t.device).normal_(generator=self.gen)
-            q, r = torch.linalg.qr(g)
-            t.copy_(q * torch.sign(torch.diagonal(r)).unsqueeze(0))
+            t.copy_(haar_from_gaussian(g))
         self._write(param, fill)
 
     def value(self, param: torch.Tensor, full: torch.Tensor) -> None:

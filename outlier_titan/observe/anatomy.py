@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from outlier_titan.observe.hooks import measuring
-from outlier_titan.observe.outliers import MASSIVE_FACTOR
+from outlier_titan.observe.outliers import MASSIVE_FACTOR, massive_mask
 
 
 @dataclass
@@ -51,10 +51,8 @@ class LayerAnatomy:
     @torch.no_grad()
     def add(self, x: torch.Tensor, tokens: torch.Tensor) -> None:
         """One batch: ``x`` [B, T, D] (a block's output), ``tokens`` [B, T] (the input ids)."""
-        a = x.detach().abs().to(torch.float64)
+        a, _, large = massive_mask(x.detach(), self.factor)
         b, t, d = a.shape
-        median = a.reshape(b, -1).median(dim=1).values.view(b, 1, 1)
-        large = a > self.factor * median
         self.per_channel += large.sum(dim=(0, 1)).cpu()
         self.channel_max = torch.maximum(self.channel_max, a.amax(dim=(0, 1)).cpu())
         per_pos = large.sum(-1)  # [B, T]: large entries at each (sequence, position)

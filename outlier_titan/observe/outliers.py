@@ -177,13 +177,21 @@ def sink_rate(probs: torch.Tensor, eps: float = SINK_EPS) -> torch.Tensor:
     return (alpha > eps).to(F64).mean()
 
 
+def massive_mask(x: torch.Tensor, factor: float = MASSIVE_FACTOR
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sun et al. 2024's massive entries of a residual stream [B, T, D]: ``(|x| in float64, the median |x| per
+    sequence [B], mask)``, the mask true where ``|x|`` exceeds ``factor`` x its sequence's median."""
+    a = x.to(F64).abs()
+    med = a.reshape(x.shape[0], -1).median(-1).values
+    return a, med, a > factor * med.view(-1, *([1] * (x.dim() - 1)))
+
+
 def massive_activations(x: torch.Tensor, factor: float = MASSIVE_FACTOR) -> tuple[torch.Tensor, torch.Tensor]:
     """Sun et al. 2024 on a residual stream [B, T, D]: per sequence max |x| / median |x| and the count of
-    entries above ``factor`` x median; both averaged over sequences."""
-    a = x.to(F64).abs().reshape(x.shape[0], -1)
-    med = a.median(-1).values
-    ratio = a.amax(-1) / med.clamp_min(torch.finfo(F64).tiny)
-    count = (a > factor * med.unsqueeze(-1)).to(F64).sum(-1)
+    entries above ``factor`` x median (:func:`massive_mask`); both averaged over sequences."""
+    a, med, mask = massive_mask(x, factor)
+    ratio = a.reshape(x.shape[0], -1).amax(-1) / med.clamp_min(torch.finfo(F64).tiny)
+    count = mask.reshape(x.shape[0], -1).to(F64).sum(-1)
     return ratio.mean(), count.mean()
 
 

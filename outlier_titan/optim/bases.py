@@ -52,13 +52,17 @@ def _generator(seed: int) -> torch.Generator:
     return g
 
 
-def haar_basis(size: int, seed: int) -> torch.Tensor:
-    """A Haar-distributed orthogonal matrix: QR of a float64 Gaussian, columns multiplied by sign(diag R)."""
-    a = torch.randn(size, size, generator=_generator(seed), dtype=torch.float64)
+def haar_from_gaussian(a: torch.Tensor) -> torch.Tensor:
+    """The Haar-distributed orthogonal matrix of a square Gaussian ``a``: its QR's Q, columns times sign(diag R)."""
     q, r = torch.linalg.qr(a)
     signs = torch.sign(torch.diagonal(r))
     signs[signs == 0] = 1.0
     return q * signs
+
+
+def haar_basis(size: int, seed: int) -> torch.Tensor:
+    """A Haar-distributed orthogonal matrix from a float64 Gaussian drawn with ``seed``."""
+    return haar_from_gaussian(torch.randn(size, size, generator=_generator(seed), dtype=torch.float64))
 
 
 def is_power_of_two(n: int) -> bool:

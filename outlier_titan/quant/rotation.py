@@ -9,8 +9,8 @@
    position embeddings, the outputs of ``wo`` and ``w2`` with their biases), so the stream is exactly zero-mean
    and every LayerNorm equals an RMSNorm of the same eps (QuaRot's handling of LayerNorm models).
 3. Fold every norm's gain (vector, or the single-scale RMSNorm's scalar) and LayerNorm bias into the linear layers
-   that read its output (``wq wk wv`` and a gate's ``wg``, ``w1 w3``, the head: ``W <- W diag(g)``, ``b <- b + W beta``); the norms
-   become gain-less RMSNorms.
+   that read its output (``wq wk wv`` and a gate's ``wg``, ``w1 w3``, the head: ``W <- W diag(g)``,
+   ``b <- b + W beta``); the norms become gain-less RMSNorms.
 4. Rotate the residual stream by ``Q = diag(s) H / sqrt(d)``, random signs ``s`` (seeded) times a Hadamard
    matrix: embeddings ``E <- E Q``, readers ``W <- W Q``, writers ``W <- Q^T W`` and ``b <- Q^T b``. A
    gain-less RMSNorm commutes with ``Q`` (``rms(x Q) = rms(x)``), so the function is unchanged.

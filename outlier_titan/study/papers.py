@@ -23,8 +23,9 @@ class PaperRow:
 FOUR_BIT_SCHEMES = ("w4a4kv4_rtn", "w4a4kv4_rtn_hadamard")
 """The 4-bit rows every suite's report adds beside its paper's own schemes: W4A4KV4 round-to-nearest and the same
 after a QuaRot-style Hadamard rotation (``quant/ptq.py``). They ask whether a training-time remedy still matters
-once an inference-time one is applied; only park2025's verdicts rest on them. (The GPTQ rows cost about 1.5 CPU-
-minutes more per cpu-scale point; run ``scripts/evaluate.py --schemes`` on a checkpoint for them.)"""
+once an inference-time one is applied; only park2025's verdicts rest on them. (GPTQ + rotation is left out for
+its cost: 22.1 s a run at 8,192 tokens against 6.5 s for RTN + rotation in docs/quantisation.md's table, one run per
+calibration seed; ``scripts/evaluate.py --schemes`` runs it on a checkpoint.)"""
 
 
 @dataclass(frozen=True)

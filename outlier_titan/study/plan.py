@@ -53,15 +53,20 @@ def read_manifest(sweep_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _config_diff(old: str, new: str) -> list[str]:
-    """``section.key: old -> new`` for every differing key of two resolved configs (job.* excluded). A key one
-    side lacks counts at today's default, so an option added since a sweep was planned (or no longer written)
-    changes nothing while it is at its default."""
+def _defaults() -> dict[str, dict[str, Any]]:
+    """Today's default config, section -> key -> value."""
     from outlier_titan.config.job_config import JobConfig
     from outlier_titan.config.manager import to_dict
 
+    return to_dict(JobConfig())
+
+
+def _config_diff(old: str, new: str, defaults: dict[str, dict[str, Any]] | None = None) -> list[str]:
+    """``section.key: old -> new`` for every differing key of two resolved configs (job.* excluded). A key one
+    side lacks counts at today's default (``defaults``, built when not given), so an option added since a sweep
+    was planned (or no longer written) changes nothing while it is at its default."""
     a, b = tomllib.loads(old), tomllib.loads(new)
-    defaults = to_dict(JobConfig())
+    defaults = _defaults() if defaults is None else defaults
     out = []
     for sec in sorted(set(a) | set(b)):
         if sec == "job":
@@ -79,13 +84,14 @@ def plan_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], l
     old_pts = {p["name"]: p for p in old["points"]}
     new_pts = {p["name"]: p for p in new["points"]}
     lines, stale = [], []
+    defaults = _defaults()  # once for all points
     for name in old_pts.keys() - new_pts.keys():
         lines.append(f"removed point {name}")
         stale.append(name)
     for name in sorted(new_pts.keys() - old_pts.keys()):
         lines.append(f"new point {name}")
     for name in sorted(old_pts.keys() & new_pts.keys()):
-        diff = _config_diff(old_pts[name]["config"], new_pts[name]["config"])
+        diff = _config_diff(old_pts[name]["config"], new_pts[name]["config"], defaults)
         if diff:
             lines.append(f"changed point {name}: " + "; ".join(diff))
             stale.append(name)
