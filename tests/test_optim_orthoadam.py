@@ -64,8 +64,12 @@ def test_mixing_bases_differ_from_adamw(basis):
     # The rotated matrices move differently from AdamW (by a sizeable fraction of the total change)...
     for x, y, p0 in zip(a[:2], b[:2], _params()[:2]):
         assert (x - y).abs().max() > 0.1 * (y - p0).abs().max()
-    # ...while the 1-D gain (plain AdamW by default) moves exactly like AdamW.
-    assert (a[2] - b[2]).abs().max() <= 1e-14
+    # ...and so does the 1-D gain, which OrthoAdam rotates by default (one_d = "auto": Algorithm 1 rotates every
+    # parameter); with one_d = "adamw" it moves exactly like AdamW.
+    assert (a[2] - b[2]).abs().max() > 0.1 * (b[2] - _params()[2]).abs().max()
+    ps = _params()
+    plain_1d = OrthoAdam(_groups(ps), lr=1e-2, basis=basis, options=EngineOptions(tile_size=4, one_d="adamw"))
+    assert (_run(plain_1d, ps, grads)[2] - b[2]).abs().max() <= 1e-14
 
 
 def test_signed_permutation_basis_is_rejected():
@@ -326,10 +330,11 @@ def test_tile_grid_description_states_the_plans_per_parameter_class():
     lines = describe_tile_grid(build_param_groups(model, tiles), tiles, roles_of(model))
     assert "`layers.*.attention.wq.weight` [128, 128]: 16 (8 tiles) × 32 (4 tiles)" in lines
     assert "`tok_embeddings.weight` [256, 128]: 256 unrotated × 32 (4 tiles)" in lines
-    assert "`norm.weight` [128]: 128 unrotated" in lines
+    assert "`norm.weight` [128]: 16 (8 tiles)" in lines  # OrthoAdam rotates 1-D parameters (one_d = "auto")
     whole = OptimizerConfig(name="soap")
-    assert "`layers.*.feed_forward.w2.weight` [128, 512]: 128 (whole) × 512 (whole)" in describe_tile_grid(
-        build_param_groups(model, whole), whole, roles_of(model))
+    soap_lines = describe_tile_grid(build_param_groups(model, whole), whole, roles_of(model))
+    assert "`layers.*.feed_forward.w2.weight` [128, 512]: 128 (whole) × 512 (whole)" in soap_lines
+    assert "`norm.weight` [128]: 128 unrotated" in soap_lines  # SOAP leaves them on Adam, as published
     adamw = OptimizerConfig(name="adamw")
     with pytest.raises(UserError, match="has no tile grid"):
         describe_tile_grid(build_param_groups(model, adamw), adamw, roles_of(model))

@@ -12,11 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from outlier_titan.config.job_config import Model as ModelConfig
 from outlier_titan.config.job_config import Optimizer as OptimizerConfig
-from outlier_titan.models.init import Initializer
-from outlier_titan.models.registry import model_args
 from outlier_titan.optim.builder import build_optimizer, build_param_groups
+from tests.small_model import learnable_batches, tiny_model, train_losses
 from tests.test_optim_soap import HP, DenseSOAP
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer", reason="the published SOAP comes with '.[test]'")
@@ -45,26 +43,6 @@ def test_published_port_follows_the_papers_algorithm(f, atol):
     assert np.abs(ref.w - w0).max() > 1e-2  # it moved
 
 
-def _model():
-    spec, args = model_args(ModelConfig(name="pre_ln", flavor="debug", n_layers=2, dim=32, n_heads=2,
-                                        ffn_hidden=64, tie_embeddings=False), 128, 16)
-    model = spec.build(args)
-    model.init_weights(Initializer(0, "cpu"))
-    return model.to(torch.float64)
-
-
-def _train(model, opt, batches):
-    losses = []
-    for x, y in batches:
-        logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("f, rtol", [(100, 1e-10), (10, 1e-6)])
 def test_whole_axis_soap_trains_a_small_model_like_the_published_one(f, rtol):
     """f = 100: no refresh in 30 steps, so everything but the QR (whole-axis factors of every 2-D parameter, the
@@ -72,22 +50,18 @@ def test_whole_axis_soap_trains_a_small_model_like_the_published_one(f, rtol):
     decay per group) must agree to float64 rounding. f = 10 (the published refresh): the port's float32 QR moves
     the bases of the factors' (near-)null spaces, which Adam's normalisation amplifies (8.5e-9 measured; 8.0e-4
     with a refresh every 4 steps); the losses stay within 1e-6."""
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(30):
-        x = torch.randint(0, 128, (4, 16), generator=g)
-        batches.append((x, (3 * x + 1) % 128))  # a learnable map, so the loss falls
+    batches = learnable_batches(30)
     cfg = OptimizerConfig(name="soap", lr=HP["lr"], beta1=HP["b1"], beta2=HP["b2"], eps=HP["eps"],
                           weight_decay=0.1, shampoo_beta=HP["sb"], precondition_frequency=f)
     assert cfg.tile_size == 0 and cfg.vocab_axis == "tile"  # the defaults are the published method
-    ours_model, port_model = _model(), _model()
+    ours_model, port_model = tiny_model(), tiny_model()
     ours = build_optimizer(ours_model, cfg, seed=0)
     for p, plan in ours.plans.items():  # one factor per whole axis of every 2-D parameter
         if p.ndim == 2:
             assert [a.tile for a in plan.axes] == list(p.shape) and plan.axes[0].rotate and plan.axes[1].rotate
     groups = build_param_groups(port_model, cfg)
     port = _port([{"params": gr["params"], "weight_decay": gr["weight_decay"]} for gr in groups], f=f)
-    a, b = _train(ours_model, ours, batches), _train(port_model, port, batches)
+    a, b = train_losses(ours_model, ours, batches), train_losses(port_model, port, batches)
     assert a[1] == b[1]  # the first call only initialises the preconditioner, in both
     np.testing.assert_allclose(a[:6], b[:6], rtol=1e-10)  # before the first refresh
     np.testing.assert_allclose(a, b, rtol=rtol)

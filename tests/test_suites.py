@@ -31,9 +31,12 @@ def test_every_tile_optimizer_point_rotates_whole_axes(path):
         assert opt.vocab_axis == "tile", point.name
         _, _, model = build_meta_model(point.cfg.model, _vocab_size(point.cfg.data.tokenizer),
                                        point.cfg.training.seq_len)
+        # 1-D parameters as each method is published: OrthoAdam's Algorithm 1 rotates them, SOAP does not
+        one_d_rotates = opt.one_d == "rotate" or (opt.one_d == "auto" and opt.name == "orthoadam")
+        assert one_d_rotates == (opt.name == "orthoadam"), point.name
         for p, fqn, plan in tile_plans(build_param_groups(model, opt), opt, roles_of(model)):
             for size, axis in zip(p.shape, plan.axes):
-                rotates = 2 <= size <= opt.max_precond_dim and (p.ndim == 2 or opt.one_d == "rotate")
+                rotates = 2 <= size <= opt.max_precond_dim and (p.ndim == 2 or one_d_rotates)
                 want = min(opt.tile_size, size) if opt.tile_size else size
                 assert axis.rotate == rotates and axis.tile == (want if rotates else axis.tile), (point.name, fqn)
                 checked += 1

@@ -412,3 +412,17 @@ def test_an_option_added_since_planning_changes_nothing_at_its_default():
     assert _config_diff(old, old + "seed = 3\n") == ["training.seed: 'default' -> 3"]
     assert _config_diff(old + "seed = 3\n", old) == ["training.seed: 3 -> 'default'"]
     assert _config_diff(old, old.replace("10", "20")) == ["training.steps: 10 -> 20"]
+
+
+def test_an_optimizers_own_option_changes_only_that_optimizers_points():
+    """optimizer.one_d belongs to orthoadam / soap: a changed value (e.g. a new default) leaves an AdamW point
+    valid and marks an OrthoAdam point changed."""
+    from outlier_titan.study.plan import _config_diff
+
+    def cfg(name: str, one_d: str) -> str:
+        return f'[optimizer]\nname = "{name}"\none_d = "{one_d}"\n'
+
+    assert _config_diff(cfg("adamw", "adamw"), cfg("adamw", "auto")) == []
+    assert _config_diff(cfg("orthoadam", "adamw"), cfg("orthoadam", "auto")) == ["optimizer.one_d: 'adamw' -> 'auto'"]
+    assert _config_diff(cfg("adamw", "adamw"), cfg("soap", "auto")) == [
+        "optimizer.name: 'adamw' -> 'soap'", "optimizer.one_d: 'adamw' -> 'auto'"]

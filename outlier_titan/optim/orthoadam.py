@@ -126,6 +126,7 @@ class OrthoAdam(TileAdamBase):
     """
 
     spec_keys = ("basis_spec",)
+    published_one_d = "rotate"  # Algorithm 1 rotates every parameter, gains and biases too
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, seed: int = 0, basis: str | BasisFn = "hadamard",

@@ -60,6 +60,7 @@ class SOAP(TileAdamBase):
     """
 
     spec_keys = ("soap_spec",)
+    published_one_d = "adamw"  # the published SOAP leaves 1-D parameters unpreconditioned (Adam)
     group_other_axis = True
     stacked_state = True
 

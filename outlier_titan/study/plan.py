@@ -61,18 +61,39 @@ def _defaults() -> dict[str, dict[str, Any]]:
     return to_dict(JobConfig())
 
 
+def _optimizer_owners() -> dict[str, set[str]]:
+    """``[optimizer]`` key -> the optimizers that own it (keys common to every optimizer are absent)."""
+    import dataclasses
+
+    from outlier_titan.config.job_config import section_class
+    from outlier_titan.options import owned_by
+
+    out = {}
+    for f in dataclasses.fields(section_class("optimizer")):
+        owner = owned_by(f)
+        if owner is not None:
+            out[f.name] = set(owner[1].split(", "))
+    return out
+
+
 def _config_diff(old: str, new: str, defaults: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """``section.key: old -> new`` for every differing key of two resolved configs (job.* excluded). A key one
     side lacks counts at today's default (``defaults``, built when not given), so an option added since a sweep
-    was planned (or no longer written) changes nothing while it is at its default."""
+    was planned (or no longer written) changes nothing while it is at its default; nor does an optimizer's own
+    option (``optimizer.one_d``, ``optimizer.muon_*``) when neither config trains with that optimizer, so a
+    changed default of one optimizer's option leaves the other optimizers' points valid."""
     a, b = tomllib.loads(old), tomllib.loads(new)
     defaults = _defaults() if defaults is None else defaults
+    used = {cfg.get("optimizer", {}).get("name", defaults.get("optimizer", {}).get("name")) for cfg in (a, b)}
+    owners = _optimizer_owners()
     out = []
     for sec in sorted(set(a) | set(b)):
         if sec == "job":
             continue
         sa, sb, sd = a.get(sec, {}), b.get(sec, {}), defaults.get(sec, {})
         for key in sorted(set(sa) | set(sb)):
+            if sec == "optimizer" and key in owners and not owners[key] & used:
+                continue
             va, vb = sa.get(key, sd.get(key)), sb.get(key, sd.get(key))
             if va != vb:
                 out.append(f"{sec}.{key}: {sa.get(key, 'default')!r} -> {sb.get(key, 'default')!r}")

@@ -36,11 +36,13 @@ class TileAdamBase(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     spec_keys: tuple[str, ...] = ()
     group_other_axis = False
     stacked_state = False
+    published_one_d = "adamw"
+    """What ``one_d = "auto"`` means for this optimizer: how its published method treats 1-D parameters."""
 
     def __init__(self, params, defaults: dict, options: EngineOptions, basis: Basis | None = None,
                  flag_group=None) -> None:
         super().__init__(params, defaults)
-        self.options = options
+        self.options = options = options.resolved(self.published_one_d)
         self._flag_group = flag_group
         self._directions = adam_directions
         self.plans: dict[torch.Tensor, ParamPlan] = {}
@@ -62,7 +64,8 @@ class TileAdamBase(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     @classmethod
     def plan(cls, fqn: str, p: torch.Tensor, options: EngineOptions, basis: Basis | None) -> ParamPlan:
         """The tile plan of one parameter under this optimizer's grid rules."""
-        return plan_param(fqn, p, options, cls.group_other_axis, basis, cls.stacked_state)
+        return plan_param(fqn, p, options.resolved(cls.published_one_d), cls.group_other_axis, basis,
+                          cls.stacked_state)
 
     # -- subclass hooks ---------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -60,6 +60,10 @@ class EngineOptions:
             _check_choice(name, getattr(self, name))
         parse_overrides(self.tile_size_overrides)
 
+    def resolved(self, published_one_d: str) -> EngineOptions:
+        """These options with ``one_d = "auto"`` resolved to the optimizer's published choice."""
+        return dataclasses.replace(self, one_d=published_one_d) if self.one_d == "auto" else self
+
     @property
     def whole_axes(self) -> bool:
         """Whether every axis is one tile (``tile_size = 0``, the published methods)."""

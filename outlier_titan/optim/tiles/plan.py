@@ -7,7 +7,8 @@ with ``needs_pow2`` also wants power-of-two tiles), and lists the local tiles as
 that the kernels batch over. ``strict`` alignment raises, naming the parameter, its placements and a tile
 size that would work; ``adapt`` picks that tile and records it in the checkpointed tile spec.
 
-Axis rules: 1-D parameters run plain (unrotated) Adam unless ``one_d = "rotate"``; the vocabulary axis of
+Axis rules: 1-D parameters run plain (unrotated) Adam unless ``one_d = "rotate"`` (``"auto"`` is resolved to the
+optimizer's published choice before planning, ``TileAdamBase.plan``); the vocabulary axis of
 the model's vocab-axis parameters (``options.roles``; ``tok_embeddings.weight`` / ``output.weight`` in the built-in
 specs) is rotated like the others unless ``vocab_axis = "identity"``; an axis longer than ``max_precond_dim`` is
 not rotated. A whole axis (``tile_size = 0``) that a layout shards cannot be rotated without communication, so it

@@ -35,8 +35,10 @@ class TileOptions:
                                   "the other axes (tile: whole or in tiles, as tile_size says; the published "
                                   "SOAP rotates it up to max_precond_dim) or not rotated (identity).",
                           ("tile", "identity"))
-    one_d: str = opt("adamw", "orthoadam/soap: 1-D parameters (gains, biases): unrotated Adam, or rotated in "
-                              "tiles.", ("adamw", "rotate"))
+    one_d: str = opt("auto", "orthoadam/soap: 1-D parameters (gains, biases): as each method is published (auto: "
+                             "OrthoAdam rotates them, as Algorithm 1 rotates every parameter; SOAP runs Adam on "
+                             "them, as the published SOAP does), unrotated Adam (adamw), or rotated (rotate).",
+                     ("auto", "adamw", "rotate"))
 
 
 @dataclass
