@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         code, lines = decide(codes, _reported(error_dir, "txt"), _reported(error_dir, "failure.txt"),
-                             _pending.count(signal.SIGINT) >= 2)
+                             _pending.count(signal.SIGINT) >= 2, signalled=bool(_pending))
         if code == 1:
             print_error(e.format_msg())
         if lines:
@@ -182,12 +182,18 @@ def _write_exit_file(code: int) -> None:
         os.replace(path + ".tmp", path)  # the watchdog never reads a half-written file
 
 
-def decide(codes: set[int], user_lines: list[str], failure_lines: list[str], aborted: bool) -> tuple[int, list[str]]:
+def decide(codes: set[int], user_lines: list[str], failure_lines: list[str], aborted: bool,
+           signalled: bool = False) -> tuple[int, list[str]]:
     """The launcher's exit code and last console lines from the exit codes of the ranks that torchrun saw end
     first (negative: killed by that signal) and the lines the ranks reported. A rank that died unreported (a
-    signal, a crash) makes the run a failure (1) even when its peers then hit an error of their own."""
+    signal, a crash) makes the run a failure (1) even when its peers then hit an error of their own. Except a
+    SIGTERM death while the launcher itself was sent no signal (``signalled`` false) beside other ranks' exits:
+    that is torchrun stopping the ranks still running after a peer failed (a rank still in set-up, before its
+    own handler), not a cause."""
     from outlier_titan import exit_codes as X
 
+    if not signalled and len(codes) > 1:
+        codes = codes - {-signal.SIGTERM}
     if aborted and X.INTERRUPTED in codes:
         return X.INTERRUPTED, ["aborted by a second Ctrl-C; the newest complete checkpoint is kept"]
     if codes == {X.STOPPED}:

@@ -241,12 +241,23 @@ def test_a_frozen_peer_fails_the_run_within_the_collective_timeout(tmp_path):
     ({1, 75}, [], [], False, (1, [])),
     ({130}, [], [], True, (130, ["aborted by a second Ctrl-C; the newest complete checkpoint is kept"])),
     ({75}, [], [], True, (75, [])),  # the second press came after every rank had saved and stopped
+    # torchrun SIGTERMs a rank still in set-up after its peers' user error; the launcher was sent no signal
+    ({2, -15}, ["error: x"], [], False, (2, ["error: x"])),
+    ({-15}, [], [], False, (1, ["failure: a rank was killed by SIGTERM; resume from the newest complete checkpoint"])),
 ])
 def test_launcher_exit_code_decision(codes, user, failure, aborted, want):
     """The exit contract's table: a rank that died unreported makes the job a failure (1), never a user error."""
     from outlier_titan.launch import decide
 
     assert decide(codes, user, failure, aborted) == want
+
+
+def test_a_sigterm_death_counts_when_the_launcher_was_signalled():
+    """With a SIGTERM sent to the launcher (forwarded to the ranks), a rank killed by it is a failure, not
+    collateral of its peers' error."""
+    from outlier_titan.launch import decide
+
+    assert decide({2, -15}, ["error: x"], [], False, signalled=True)[0] == 1
 
 
 def test_progress_reports_steps_done_and_total(tmp_path):
