@@ -67,6 +67,17 @@ def wait_for_end(job_id: str, limit_s: float) -> str:
     return state
 
 
+def wait_for_idle_nodes(limit_s: float) -> None:
+    """Until both nodes are idle (a node revived by ``slurm_local.sh revive`` takes a moment to be used again)."""
+    t0 = time.monotonic()
+    while True:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, env=ENV, timeout=10)
+        if out.stdout.split() == ["idle", "idle"]:
+            return
+        assert time.monotonic() - t0 < limit_s, f"nodes not idle after {limit_s} s: {out.stdout.split()}"
+        time.sleep(1)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
     """Losses of the same run under ``python -m outlier_titan.launch --standalone --nproc_per_node 2``."""
@@ -101,12 +112,16 @@ def test_a_node_that_dies_and_comes_back_costs_a_requeue_not_the_run(tmp_path, r
     node2's lost task, the script's watchdog ends srun STEP_GRACE_S later, the job requeues (and waits for node2),
     resumes from the newest checkpoint and ends COMPLETED with every step done and the uninterrupted run's loss at
     every step."""
+    wait_for_idle_nodes(120)  # the other case's revived node2 must be back in service first
     job_id = sbatch(tmp_path, "a", "STEP_GRACE_S=5")
     metrics = tmp_path / "a" / "metrics.jsonl"
     t0 = time.monotonic()
     while not (metrics.is_file() and max(losses(tmp_path / "a"), default=0) >= 15):
-        assert time.monotonic() - t0 < 180 and job_state(job_id) in ("PENDING", "RUNNING"), \
-            f"job {job_id} {job_state(job_id)} before step 15"
+        if not (time.monotonic() - t0 < 180 and job_state(job_id) in ("PENDING", "RUNNING")):
+            time.sleep(2)  # the log's last lines
+            log = tmp_path / f"slurm-{job_id}.out"
+            pytest.fail(f"job {job_id} {job_state(job_id)} before step 15: "
+                        f"{log.read_text()[-3000:] if log.is_file() else '(no log)'}")
         time.sleep(0.2)
     try:
         subprocess.run([*SLURM_LOCAL, "crash", "2"], env=ENV, check=True, capture_output=True, timeout=60)
