@@ -130,3 +130,21 @@ def test_park2025_smoke_report_comes_from_the_runs(tmp_path):
     verdicts = re.findall(rf"^- \*\*({'|'.join(VERDICTS)})\*\* — (.*)$", report, re.M)
     assert len(verdicts) == 8  # one seed: no interval, so no claim is decided either way
     assert all(v not in ("reproduced", "not reproduced") for v, _ in verdicts), verdicts
+
+
+def test_the_report_states_block_muons_grid(tmp_path):
+    """The cpu suite's block and block_periodic Muon points are named variants: the report's header gives their
+    blocks per matrix class (for 4 shards: 64-row blocks of wq and w1, 64-column blocks of wo and w2) and says
+    block_periodic's whole-matrix period; the full-Muon and Adam points add no grid line."""
+    from outlier_titan.study.plan import build_manifest
+    from outlier_titan.study.reproduce import tile_grid_section
+
+    manifest = build_manifest(load_sweep(REPO / "train_configs/suites/park2025/cpu.toml"), tmp_path)
+    lines = [line for line in tile_grid_section(manifest) if line]
+    assert len(lines) == 2 and lines[0].startswith("**Block grid, muon block**")
+    assert lines[1].startswith("**Block grid, muon block_periodic** (Newton-Schulz on shard-local blocks, a "
+                               "whole-matrix step every 5;")
+    for line in lines:
+        assert "`layers.*.attention.wq.weight` [256, 256]: 64 (4 tiles) × 256 (whole)" in line
+        assert "`layers.*.feed_forward.w2.weight` [256, 768]: 256 (whole) × 64 (12 tiles)" in line
+        assert "`embed_proj.weight` [256, 256]: 64 (4 tiles) × 256 (whole)" in line

@@ -32,6 +32,7 @@ in block steps their row tile is the head dim.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -175,6 +176,13 @@ def _coefficients(values) -> tuple[float, ...]:
     except (TypeError, ValueError):
         raise UserError(f"optimizer.muon_ns_coefficients = {list(values)} must be three numbers, e.g. "
                         f"[3.4445, -4.775, 2.0315]") from None
+
+
+def block_plans(model: nn.Module, cfg) -> list[tuple[torch.Tensor, str, Any]]:
+    """``(matrix, FQN, tile plan)`` of every Muon matrix a ``block`` / ``block_periodic`` layout orthogonalises in
+    blocks, as ``build_muon`` plans them (works on a meta model); empty for ``full``."""
+    opt = build_muon(model, cfg, seed=0)
+    return [(p, n, opt.plans[p]) for g in opt.param_groups for p, n in zip(g["params"], g["names"]) if p in opt.plans]
 
 
 def build_muon(model: nn.Module, cfg, seed: int) -> "MuonAdamW":

@@ -83,8 +83,13 @@ def describe_tile_grid(groups: list[dict], cfg: OptimizerConfig, roles: ParamRol
     """One line per parameter class (layer indices folded to ``*``): the tile edge along each axis and whether it is
     the whole axis, as the engine plans it for ``cfg`` on one rank (``groups`` of the unsharded, e.g. meta, model).
     Reports state it for every OrthoAdam/SOAP run."""
+    return describe_plans(tile_plans(groups, cfg, roles))
+
+
+def describe_plans(plans) -> list[str]:
+    """:func:`describe_tile_grid`'s lines for any ``(parameter, FQN, tile plan)`` items (block Muon's too)."""
     seen: dict[str, str] = {}
-    for p, fqn, plan in tile_plans(groups, cfg, roles):
+    for p, fqn, plan in plans:
         axes = [f"{a.tile} ({'whole' if a.tile == a.size else f'{a.n_tiles} tiles'})" if a.rotate else
                 f"{a.size} unrotated" for a in plan.axes[:len(p.shape) or 1]]
         seen.setdefault(re.sub(r"\.\d+\.", ".*.", fqn), f"{list(p.shape)}: " + " × ".join(axes))

@@ -758,32 +758,40 @@ def ptq_table(groups: list[dict[str, Any]], info: SuiteInfo) -> list[str]:
 
 
 def tile_grid_section(manifest: dict[str, Any]) -> list[str]:
-    """The report's statement of the tile grid each OrthoAdam / SOAP setting used, per parameter class, from the
-    points' own resolved configs (one rank)."""
+    """The report's statement of the tile grid each OrthoAdam / SOAP setting and each block / block_periodic Muon
+    setting used, per parameter class, from the points' own resolved configs (one rank)."""
     from outlier_titan.config.manager import parse_args
     from outlier_titan.models.registry import build_meta_model
     from outlier_titan.models.roles import roles_of
     from outlier_titan.optim.builder import build_param_groups
-    from outlier_titan.optim.tile_optimizers import describe_tile_grid
+    from outlier_titan.optim.muon import block_plans
+    from outlier_titan.optim.tile_optimizers import describe_plans, describe_tile_grid
     from outlier_titan.study.spec import _vocab_size
 
     out, seen = [], set()
     for e in manifest["points"]:
         with tempfile_toml(e["config"]) as path:
             cfg = parse_args(["--config", path])
-        if cfg.optimizer.name not in ("orthoadam", "soap"):
+        opt = cfg.optimizer
+        block_muon = opt.name == "muon" and opt.muon_layout != "full"
+        if opt.name not in ("orthoadam", "soap") and not block_muon:
             continue
-        key = (cfg.optimizer.name, cfg.optimizer.tile_size, tuple(cfg.optimizer.tile_size_overrides),
-               cfg.optimizer.vocab_axis, cfg.optimizer.one_d, cfg.model.name, cfg.model.dim, cfg.model.n_layers)
+        key = (opt.name, opt.muon_layout if block_muon else "", opt.tile_size, tuple(opt.tile_size_overrides),
+               opt.vocab_axis, opt.one_d, cfg.model.name, cfg.model.dim, cfg.model.n_layers)
         if key in seen:
             continue
         seen.add(key)
         _, _, model = build_meta_model(cfg.model, _vocab_size(cfg.data.tokenizer), cfg.training.seq_len)
-        kind = "whole axes (as published)" if cfg.optimizer.tile_size == 0 else \
-            f"shard-local tiles of {cfg.optimizer.tile_size} (a named variant)"
-        out += [f"**Tile grid, {cfg.optimizer.name}** ({kind}; first point {e['name']}): "
-                + "; ".join(describe_tile_grid(build_param_groups(model, cfg.optimizer), cfg.optimizer,
-                                               roles_of(model))) + ".", ""]
+        if block_muon:
+            every = f", a whole-matrix step every {opt.muon_full_every}" if opt.muon_layout == "block_periodic" else ""
+            out += [f"**Block grid, muon {opt.muon_layout}** (Newton-Schulz on shard-local blocks{every}; a named "
+                    f"variant of whole-matrix Muon; first point {e['name']}): "
+                    + "; ".join(describe_plans(block_plans(model, opt))) + ".", ""]
+            continue
+        kind = "whole axes (as published)" if opt.tile_size == 0 else \
+            f"shard-local tiles of {opt.tile_size} (a named variant)"
+        out += [f"**Tile grid, {opt.name}** ({kind}; first point {e['name']}): "
+                + "; ".join(describe_tile_grid(build_param_groups(model, opt), opt, roles_of(model))) + ".", ""]
     return out
 
 
