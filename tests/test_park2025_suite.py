@@ -100,6 +100,7 @@ def test_park2025_smoke_report_comes_from_the_runs(tmp_path):
     planned = load_sweep(suite_file("park2025", "smoke")).points
     assert set(rows) == set(NAMES) == {p.name for p in planned}
     report = (out / "report.md").read_text()
+    assert "**Block grid, muon block_periodic**" in report  # the named block variant's grid in the header
     info = SUITE_INFO["park2025"]
     for p in planned:
         folder = sweep_dir / "points" / p.name
