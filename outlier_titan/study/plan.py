@@ -76,16 +76,18 @@ def _optimizer_owners() -> dict[str, set[str]]:
     return out
 
 
-def _config_diff(old: str, new: str, defaults: dict[str, dict[str, Any]] | None = None) -> list[str]:
+def _config_diff(old: str, new: str, defaults: dict[str, dict[str, Any]] | None = None,
+                 owners: dict[str, set[str]] | None = None) -> list[str]:
     """``section.key: old -> new`` for every differing key of two resolved configs (job.* excluded). A key one
     side lacks counts at today's default (``defaults``, built when not given), so an option added since a sweep
     was planned (or no longer written) changes nothing while it is at its default; nor does an optimizer's own
     option (``optimizer.one_d``, ``optimizer.muon_*``) when neither config trains with that optimizer, so a
-    changed default of one optimizer's option leaves the other optimizers' points valid."""
+    changed default of one optimizer's option leaves the other optimizers' points valid (``owners``:
+    :func:`_optimizer_owners`, built when not given)."""
     a, b = tomllib.loads(old), tomllib.loads(new)
     defaults = _defaults() if defaults is None else defaults
     used = {cfg.get("optimizer", {}).get("name", defaults.get("optimizer", {}).get("name")) for cfg in (a, b)}
-    owners = _optimizer_owners()
+    owners = _optimizer_owners() if owners is None else owners
     out = []
     for sec in sorted(set(a) | set(b)):
         if sec == "job":
@@ -105,14 +107,14 @@ def plan_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], l
     old_pts = {p["name"]: p for p in old["points"]}
     new_pts = {p["name"]: p for p in new["points"]}
     lines, stale = [], []
-    defaults = _defaults()  # once for all points
+    defaults, owners = _defaults(), _optimizer_owners()  # once for all points
     for name in old_pts.keys() - new_pts.keys():
         lines.append(f"removed point {name}")
         stale.append(name)
     for name in sorted(new_pts.keys() - old_pts.keys()):
         lines.append(f"new point {name}")
     for name in sorted(old_pts.keys() & new_pts.keys()):
-        diff = _config_diff(old_pts[name]["config"], new_pts[name]["config"], defaults)
+        diff = _config_diff(old_pts[name]["config"], new_pts[name]["config"], defaults, owners)
         if diff:
             lines.append(f"changed point {name}: " + "; ".join(diff))
             stale.append(name)
