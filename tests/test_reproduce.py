@@ -251,3 +251,64 @@ def test_a_stopped_sweep_is_not_evaluated_or_reported(tmp_path, monkeypatch, cap
                     str(tmp_path / "r")])
     assert rc == 1 and not (tmp_path / "r").exists()
     assert "no evaluation or report; the same command resumes" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_suite_finished_in_parts_adopts_the_earlier_parts_points_from_their_report_folder(tmp_path):
+    """--adopt: a report folder (e.g. committed after part of a suite ran on another machine) gives its finished,
+    evaluated points to a new sweep folder; they are not trained or evaluated again, their numbers are unchanged,
+    and a point whose recorded config differs from the suite's, or whose logs are missing, is trained again."""
+    first = tmp_path / "report-a"
+    proc = _run("--suite", "franke2025", "--scale", "smoke", "--sweep-dir", str(tmp_path / "a"), "--out", str(first))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(first)
+
+    # the whole report rebuilt from the report folder alone: no training, no evaluation, the same numbers
+    again = tmp_path / "report-b"
+    proc = _run("--suite", "franke2025", "--scale", "smoke", "--sweep-dir", str(tmp_path / "b"), "--out", str(again),
+                "--adopt", str(first), "--report-only")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "adopted 3 finished point(s)" in proc.stderr
+    assert _rows(again) == rows
+    assert not list((tmp_path / "b").rglob("checkpoints")) and not list((tmp_path / "b").rglob("eval.log"))
+    report = (again / "report.md").read_text()
+    assert f"3 points were trained and evaluated by an earlier run and adopted from its report folder `{first}`" in report
+    assert (again / "report.md").read_text().split("## Verdicts")[1] == \
+        (first / "report.md").read_text().split("## Verdicts")[1]
+    assert list((again / "figures").glob("hidden_*.png"))
+
+    # a part: one point's run under another name (as another suite that shares it names it: adopted by its
+    # config), one point's recorded config changed, one evaluated with other settings: those two trained here
+    import shutil
+    shutil.move(first / "runs" / "pre_ln", first / "runs" / "gptplus_elsewhere")
+    shutil.move(first / "figures" / "hidden_pre_ln.png", first / "figures" / "hidden_gptplus_elsewhere.png")
+    cfg = first / "runs" / "angpt" / "config.toml"
+    cfg.write_text(re.sub(r"(?m)^lr = .*$", "lr = 0.5", cfg.read_text(), count=1))
+    ev_path = first / "runs" / "ngpt" / "step-8.json"
+    ev = json.loads(ev_path.read_text())
+    ev["calibration"]["seeds"] = 5
+    ev_path.write_text(json.dumps(ev))
+    proc = _run("--suite", "franke2025", "--scale", "smoke", "--sweep-dir", str(tmp_path / "c"), "--out",
+                str(tmp_path / "report-c"), "--adopt", str(first))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "adopted 1 finished point(s) from" in proc.stderr and ": pre_ln (= gptplus_elsewhere)" in proc.stderr
+    assert "not adopted: angpt: its config differs from the suite's: optimizer.lr: 0.5 -> " in proc.stderr
+    assert "not adopted: ngpt: it was evaluated on 512 tokens with 1 calibration batches x 5 seeds" in proc.stderr
+    points = tmp_path / "c" / "points"
+    assert not (points / "pre_ln" / "checkpoints").exists()
+    assert (points / "angpt" / "checkpoints").is_dir() and (points / "ngpt" / "checkpoints").is_dir()
+    assert _rows(tmp_path / "report-c")["pre_ln"] == rows["pre_ln"]
+    assert "(its point gptplus_elsewhere)" in (tmp_path / "report-c" / "report.md").read_text()
+    assert (tmp_path / "report-c" / "figures" / "hidden_pre_ln.png").is_file()
+    # trained with the same seed and config as the first run, so the same numbers (single-threaded CPU)
+    assert _rows(tmp_path / "report-c")["ngpt"]["final_val_loss"] == rows["ngpt"]["final_val_loss"]
+
+
+def test_adopt_refuses_a_folder_that_is_not_a_report(tmp_path):
+    proc = _run("--suite", "franke2025", "--scale", "smoke", "--sweep-dir", str(tmp_path / "s"), "--adopt",
+                str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: --adopt")
+    (tmp_path / "empty").mkdir()
+    proc = _run("--suite", "franke2025", "--scale", "smoke", "--sweep-dir", str(tmp_path / "s2"), "--adopt",
+                str(tmp_path / "empty"), "--report-only")
+    assert proc.returncode == 2 and "no runs/ folder there" in proc.stderr

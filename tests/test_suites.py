@@ -50,3 +50,18 @@ def test_cpu_and_synthetic_scales_run_three_seeds_per_setting(path):
     sweep = load_sweep(path)
     seeds = sorted({p.axes.get("seed") for p in sweep.points})
     assert len(seeds) >= 3 and "seed" in sweep.axes
+
+
+@pytest.mark.parametrize("suite", ["kaul2024", "he2024"])
+def test_the_tile_study_shares_its_baseline_and_whole_axis_points_with_the_cpu_suite(suite, tmp_path):
+    """Their configs equal the cpu suite's (checkpointing aside), so ``--adopt reports/<suite>-cpu`` takes them
+    instead of training them twice; the tiled points are the study's own."""
+    from outlier_titan.study.plan import _config_diff, build_manifest
+    from outlier_titan.study.reproduce import ADOPT_IGNORES, suite_file
+
+    cpu = [e["config"] for e in build_manifest(load_sweep(suite_file(suite, "cpu")), tmp_path)["points"]]
+    shared = set()
+    for e in build_manifest(load_sweep(suite_file(suite, "tiles")), tmp_path)["points"]:
+        if any(not _config_diff(c, e["config"], ignore=ADOPT_IGNORES) for c in cpu):
+            shared.add(e["name"])
+    assert shared == {n for n in shared if "_t0_" in n} and len(shared) == 6, shared

@@ -77,8 +77,9 @@ def _optimizer_owners() -> dict[str, set[str]]:
 
 
 def _config_diff(old: str, new: str, defaults: dict[str, dict[str, Any]] | None = None,
-                 owners: dict[str, set[str]] | None = None) -> list[str]:
-    """``section.key: old -> new`` for every differing key of two resolved configs (job.* excluded). A key one
+                 owners: dict[str, set[str]] | None = None, ignore: tuple[str, ...] = ("job",)) -> list[str]:
+    """``section.key: old -> new`` for every differing key of two resolved configs (the sections in ``ignore``,
+    by default job.*, excluded). A key one
     side lacks counts at today's default (``defaults``, built when not given), so an option added since a sweep
     was planned (or no longer written) changes nothing while it is at its default; nor does an optimizer's own
     option (``optimizer.one_d``, ``optimizer.muon_*``) when neither config trains with that optimizer, so a
@@ -90,7 +91,7 @@ def _config_diff(old: str, new: str, defaults: dict[str, dict[str, Any]] | None 
     owners = _optimizer_owners() if owners is None else owners
     out = []
     for sec in sorted(set(a) | set(b)):
-        if sec == "job":
+        if sec in ignore:
             continue
         sa, sb, sd = a.get(sec, {}), b.get(sec, {}), defaults.get(sec, {})
         for key in sorted(set(sa) | set(sb)):

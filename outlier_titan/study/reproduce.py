@@ -97,6 +97,84 @@ def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, 
     return failed
 
 
+ADOPT_IGNORES = ("job", "checkpoint")
+"""Config sections that may differ between an adopted run and the planned point: where and how often a run saves
+changes none of its numbers (a tile study adopts its cpu suite's whole-axis points, which keep more checkpoints)."""
+
+
+def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, schemes: tuple[str, ...],
+                 scale: str) -> tuple[list[str], list[str]]:
+    """Takes over the finished, evaluated points of an earlier run from its report folder (``source/runs/<point>/``,
+    written on this or another machine), so a suite too long for one machine's session can be finished in parts,
+    and a study can take the points it shares with another suite. A planned point that is unfinished here takes
+    the run of the same name, else any run of ``source`` with the same config, when that run's recorded config
+    equals the planned one (:data:`ADOPT_IGNORES` aside), its ``metrics.jsonl`` holds the whole run and its
+    evaluation report covers every scheme with this scale's evaluation settings. Its logs and evaluation report
+    (with the hidden-state picture, where the report kept one) are copied into the run folder, whose
+    ``sweep_state.json`` keeps the original record plus ``adopted_from``. An adopted point has no checkpoint: it
+    is neither trained nor evaluated again.
+
+    Returns (adopted point names, one line per run of the same name that was not adopted, saying why)."""
+    from outlier_titan.study.plan import _config_diff, _defaults, _optimizer_owners
+    from outlier_titan.study.runner import is_finished, read_state, run_is_complete, write_state
+
+    runs = Path(source) / "runs"
+    if not runs.is_dir():
+        raise UserError(f"--adopt {source}: no runs/ folder there; name a report folder written by "
+                        f"scripts/reproduce.py (it holds runs/<point>/ with each point's logs)")
+    configs = {d.name: (d / "config.toml").read_text() for d in sorted(runs.iterdir()) if (d / "config.toml").is_file()}
+    defaults, owners = _defaults(), _optimizer_owners()
+    want = EVAL_ARGS[scale]
+    adopted, refused, taken = [], [], set()
+
+    def why_not(name: str, e: dict[str, Any]) -> str:
+        src, steps = runs / name, e["steps"]
+        if name not in configs:
+            return "no config.toml"
+        if diff := _config_diff(configs[name], e["config"], defaults, owners, ADOPT_IGNORES):
+            return "its config differs from the suite's: " + "; ".join(diff)
+        if read_state(src).get("status") != "done" or not run_is_complete(src / "metrics.jsonl", e):
+            return "its run did not finish"
+        if not _evaluated(src / f"step-{steps}.json", schemes):
+            return f"its evaluation report step-{steps}.json is missing or lacks a scheme of the suite"
+        ev = json.loads((src / f"step-{steps}.json").read_text())
+        cal = ev.get("calibration", {})
+        if (ev.get("tokens_requested"), cal.get("batches"), cal.get("seeds")) != \
+                (want["tokens"], want["calib_batches"], want["calib_seeds"]):
+            return (f"it was evaluated on {ev.get('tokens_requested')} tokens with {cal.get('batches')} calibration "
+                    f"batches x {cal.get('seeds')} seeds, this scale evaluates {want['tokens']} with "
+                    f"{want['calib_batches']} x {want['calib_seeds']}")
+        return ""
+
+    for e in manifest["points"]:
+        folder = point_dir(sweep_dir, e["name"])
+        if is_finished(folder, e):
+            continue
+        name = None
+        if e["name"] in configs:
+            if why := why_not(e["name"], e):
+                refused.append(f"{e['name']}: {why}")
+            else:
+                name = e["name"]
+        if name is None:  # a run of another name with this config (another suite's shared point)
+            name = next((n for n in configs if n != e["name"] and n not in taken and not why_not(n, e)), None)
+        if name is None:
+            continue
+        src, steps = runs / name, e["steps"]
+        taken.add(name)
+        (folder / "eval").mkdir(parents=True, exist_ok=True)
+        for f in ("metrics.jsonl", "config.toml"):
+            shutil.copy2(src / f, folder / f)
+        shutil.copy2(src / f"step-{steps}.json", folder / "eval" / f"step-{steps}.json")
+        picture = Path(source) / "figures" / f"hidden_{name}.png"
+        if picture.is_file():
+            shutil.copy2(picture, folder / "eval" / f"step-{steps}.hidden_magnitude.png")
+        where = str(source) if name == e["name"] else f"{source} (its point {name})"
+        write_state(folder, {**read_state(src), "adopted_from": where})
+        adopted.append(e["name"] if name == e["name"] else f"{e['name']} (= {name})")
+    return adopted, refused
+
+
 def _evaluated(report: Path, schemes: tuple[str, ...]) -> bool:
     """Whether an evaluation report exists and covers every scheme (one from an older suite file that lacked some
     is run again, whole: its numbers then come from one evaluation)."""
@@ -568,17 +646,23 @@ def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
     from outlier_titan.study.runner import read_state
 
     codes: dict[str, int] = {}
+    adopted: dict[str, int] = {}
     missing = 0
     for r in rows:
-        recorded = read_state(point_dir(sweep_dir, r["point"])).get("code", [])
+        state = read_state(point_dir(sweep_dir, r["point"]))
+        recorded = state.get("code", [])
         missing += not recorded
         for c in recorded:
             codes[c] = codes.get(c, 0) + 1
+        if state.get("adopted_from"):
+            adopted[state["adopted_from"]] = adopted.get(state["adopted_from"], 0) + 1
+    took = "".join(f" {n} point{'s were' if n != 1 else ' was'} trained and evaluated by an earlier run and "
+                   f"adopted from its report folder `{src}` (`--adopt`)." for src, n in adopted.items())
     if not codes:
-        return "the code that trained the points is not recorded in their `sweep_state.json`."
+        return "the code that trained the points is not recorded in their `sweep_state.json`." + took
     parts = [f"{c} ({n} point{'s' * (n != 1)})" for c, n in codes.items()]
     return ("points trained at code " + ", ".join(parts)
-            + (f"; {missing} point{'s' * (missing != 1)} without a record" if missing else "") + ".")
+            + (f"; {missing} point{'s' * (missing != 1)} without a record" if missing else "") + "." + took)
 
 
 def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: dict[str, Any],
@@ -593,9 +677,14 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     fig_dir = out / "figures"
     write_tables(out, columns, rows)
     # the evidence: each point's metrics log, config and evaluation report beside the report
+    # (a point not run here keeps the copy an earlier run left, which --adopt can take over; one that ran here
+    # replaces its copy whole, so no file of an earlier run of it lingers)
     for r in rows:
         src = point_dir(sweep_dir, r["point"])
         dst = out / "runs" / r["point"]
+        if not (src / "metrics.jsonl").is_file():
+            continue
+        shutil.rmtree(dst, ignore_errors=True)
         dst.mkdir(parents=True, exist_ok=True)
         for f in ("metrics.jsonl", "config.toml", "sweep_state.json"):
             if (src / f).is_file():

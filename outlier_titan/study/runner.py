@@ -70,22 +70,31 @@ def point_config(entry: dict[str, Any]) -> dict[str, Any]:
     return tomllib.loads(entry["config"])
 
 
-def is_finished(folder: Path, entry: dict[str, Any]) -> bool:
-    """True when the run folder holds the whole run: the final step's loss, its validation loss and probe
-    metrics when enabled, and its checkpoint when checkpoints are enabled."""
-    metrics = folder / "metrics.jsonl"
+def run_is_complete(metrics: Path, entry: dict[str, Any]) -> bool:
+    """True when a ``metrics.jsonl`` holds the whole run: the final step's loss, with its validation loss and
+    probe metrics when those are enabled."""
     if not metrics.is_file():
         return False
     cfg = point_config(entry)
-    final = entry["steps"]
-    rec = read_metrics(metrics).get(final, {})
+    rec = read_metrics(metrics).get(entry["steps"], {})
     if "loss" not in rec:
         return False
     if cfg.get("eval", {}).get("every", 0) and "val_loss" not in rec:
         return False
     if cfg.get("observe", {}).get("every", 0) and not any(k.startswith("outliers/") for k in rec):
         return False
-    if cfg.get("checkpoint", {}).get("enable", False) and final not in list_checkpoints(folder / "checkpoints"):
+    return True
+
+
+def is_finished(folder: Path, entry: dict[str, Any]) -> bool:
+    """True when the run folder holds the whole run (:func:`run_is_complete`) and its final checkpoint when
+    checkpoints are enabled; a point adopted from another machine's report (``adopted_from`` in its state, see
+    ``study.reproduce.adopt_points``) has its logs and evaluation but no checkpoint."""
+    if not run_is_complete(folder / "metrics.jsonl", entry):
+        return False
+    if (point_config(entry).get("checkpoint", {}).get("enable", False)
+            and entry["steps"] not in list_checkpoints(folder / "checkpoints")
+            and not read_state(folder).get("adopted_from")):
         return False
     return True
 

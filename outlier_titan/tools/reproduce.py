@@ -7,12 +7,18 @@
     outlier-titan-reproduce --suite kaul2024 --scale cpu --slurm [--slurm-args "--partition gpu ..."]
     outlier-titan-reproduce --suite kaul2024 --scale cpu --report-only    # after the Slurm array finished
     outlier-titan-reproduce --suite he2024 --scale gpu --dry-run          # the papers' runs on 1 and 8 GPUs
+    outlier-titan-reproduce --suite he2024 --scale cpu --adopt reports/he2024-cpu  # go on from another machine's part
+    outlier-titan-reproduce --suite he2024 --scale tiles --adopt reports/he2024-cpu  # take the points they share
 
 The suites are sweep files under ``train_configs/suites/<suite>/<scale>.toml`` (every suite has smoke, cpu and
 gpu; kaul2024 and sinks2025 also synthetic; kaul2024 and he2024 also search and tiles); the run folders go to
 ``--sweep-dir`` (default ``outputs/reproduce/<suite>-<scale>``), the report (``report.md``, ``figures/``,
 ``results.csv``, ``runs/<point>/`` logs) to ``--out`` (default ``reports/<suite>-<scale>``). Running again skips
-finished points and evaluations. See ``outlier_titan/study/reproduce.py``.
+finished points and evaluations. ``--adopt DIR`` takes over the finished, evaluated points of a report folder
+written by an earlier run (on any machine, e.g. committed after a part of the suite ran, or another suite's report
+that ran the same configs), so a suite can be run in parts; each adopted point's config is checked against the
+suite's. See
+``outlier_titan/study/reproduce.py``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true",
                    help="re-plan a sweep folder planned from an older suite file (changed points move to replaced/)")
     p.add_argument("--report-only", action="store_true", help="do not train; evaluate, collect and report")
+    p.add_argument("--adopt", action="append", default=[], metavar="REPORT_DIR",
+                   help="take over the finished, evaluated points of this report folder (an earlier run of the "
+                        "suite, e.g. on another machine, or a suite sharing points) instead of training them "
+                        "again; repeatable")
     p.add_argument("--dry-run", action="store_true",
                    help="plan only: the points (gpu scale: per-GPU memory and time on 1 and 8 GPUs)")
     p.add_argument("--tokenizer", default=None, help="gpu --dry-run: plan with this data.tokenizer (offline)")
@@ -81,9 +91,25 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--tokenizer applies to --scale gpu --dry-run only")
     sweep_dir = Path(args.sweep_dir or Path("outputs") / "reproduce" / tag)
     out = Path(args.out or Path("reports") / tag)
-    if not args.report_only:
+    for src in args.adopt:
+        if not Path(src).is_dir():
+            raise UserError(f"--adopt {src}: no such folder; name a report folder written by scripts/reproduce.py "
+                            f"(e.g. reports/{tag})")
+    if not args.report_only or args.adopt:
         manifest, _ = write_plan(load_sweep(path), sweep_dir, force=args.force)
         print(plan_table(manifest), file=sys.stderr)
+    if args.adopt:
+        from outlier_titan.study.papers import SUITE_INFO
+        from outlier_titan.study.reproduce import adopt_points
+
+        for src in args.adopt:
+            adopted, refused = adopt_points(sweep_dir, manifest, Path(src), SUITE_INFO[args.suite].all_schemes,
+                                            args.scale)
+            print(f"adopted {len(adopted)} finished point(s) from {src}"
+                  + (f": {', '.join(adopted)}" if adopted else ""), file=sys.stderr)
+            for line in refused:
+                print(f"not adopted: {line}", file=sys.stderr)
+    if not args.report_only:
         if args.slurm:
             cmd = [sys.executable, "-m", "outlier_titan.tools.sweep", "run", str(sweep_dir), "--slurm",
                    *shlex.split(args.slurm_args)]
@@ -101,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"stopped with {pending} point(s) unfinished: no evaluation or report; the same command resumes",
                   file=sys.stderr)
             return 1
-    else:
+    elif not args.adopt:
         read_manifest(sweep_dir)
     report = build_report(args.suite, args.scale, sweep_dir, out)
     print(report.read_text())
