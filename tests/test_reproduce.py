@@ -298,7 +298,9 @@ def test_a_suite_finished_in_parts_adopts_the_earlier_parts_points_from_their_re
     assert not (points / "pre_ln" / "checkpoints").exists()
     assert (points / "angpt" / "checkpoints").is_dir() and (points / "ngpt" / "checkpoints").is_dir()
     assert _rows(tmp_path / "report-c")["pre_ln"] == rows["pre_ln"]
-    assert "(its point gptplus_elsewhere)" in (tmp_path / "report-c" / "report.md").read_text()
+    assert (f"1 point was trained and evaluated by an earlier run and adopted from its report folder `{first}` "
+            "(`--adopt`; under another name there: pre_ln = gptplus_elsewhere).") in \
+        (tmp_path / "report-c" / "report.md").read_text()
     assert (tmp_path / "report-c" / "figures" / "hidden_pre_ln.png").is_file()
     # trained with the same seed and config as the first run, so the same numbers (single-threaded CPU)
     assert _rows(tmp_path / "report-c")["ngpt"]["final_val_loss"] == rows["ngpt"]["final_val_loss"]

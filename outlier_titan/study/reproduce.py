@@ -169,8 +169,7 @@ def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, scheme
         picture = Path(source) / "figures" / f"hidden_{name}.png"
         if picture.is_file():
             shutil.copy2(picture, folder / "eval" / f"step-{steps}.hidden_magnitude.png")
-        where = str(source) if name == e["name"] else f"{source} (its point {name})"
-        write_state(folder, {**read_state(src), "adopted_from": where})
+        write_state(folder, {**read_state(src), "adopted_from": str(source), "adopted_point": name})
         adopted.append(e["name"] if name == e["name"] else f"{e['name']} (= {name})")
     return adopted, refused
 
@@ -646,7 +645,7 @@ def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
     from outlier_titan.study.runner import read_state
 
     codes: dict[str, int] = {}
-    adopted: dict[str, int] = {}
+    adopted: dict[str, list[str]] = {}  # report folder -> the points taken from it (renamed: "ours = theirs")
     missing = 0
     for r in rows:
         state = read_state(point_dir(sweep_dir, r["point"]))
@@ -655,9 +654,15 @@ def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
         for c in recorded:
             codes[c] = codes.get(c, 0) + 1
         if state.get("adopted_from"):
-            adopted[state["adopted_from"]] = adopted.get(state["adopted_from"], 0) + 1
-    took = "".join(f" {n} point{'s were' if n != 1 else ' was'} trained and evaluated by an earlier run and "
-                   f"adopted from its report folder `{src}` (`--adopt`)." for src, n in adopted.items())
+            theirs = state.get("adopted_point", r["point"])
+            adopted.setdefault(state["adopted_from"], []).append(
+                r["point"] if theirs == r["point"] else f"{r['point']} = {theirs}")
+    took = ""
+    for src, names in adopted.items():
+        renamed = [n for n in names if " = " in n]
+        took += (f" {len(names)} point{'s were' if len(names) != 1 else ' was'} trained and evaluated by an earlier "
+                 f"run and adopted from its report folder `{src}` (`--adopt`"
+                 + (f"; under another name there: {', '.join(renamed)}" if renamed else "") + ").")
     if not codes:
         return "the code that trained the points is not recorded in their `sweep_state.json`." + took
     parts = [f"{c} ({n} point{'s' * (n != 1)})" for c, n in codes.items()]
