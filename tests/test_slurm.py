@@ -148,6 +148,32 @@ def test_scancel_checkpoints_then_sbatch_resumes(tmp_path, reference):
     assert losses(tmp_path / "a") == reference[0]
 
 
+def test_an_exit_file_left_by_an_earlier_job_of_the_same_id_is_not_taken_for_this_jobs(tmp_path, reference):
+    """A job scancel'ed while its script is killed can leave its launcher's exit file behind; a later job of the same
+    id (a controller whose job ids started again, another cluster sharing /tmp: seen when both local clusters
+    reached job 3) must not read it as its own launcher's code (the watchdog ended srun at once and the job
+    requeued at step 0)."""
+    out = subprocess.run(["sbatch", "--parsable", "--hold", "--wrap", "true"], capture_output=True, text=True,
+                         env=ENV, check=True)
+    held = int(out.stdout.strip().split(";")[0])
+    subprocess.run(["scancel", str(held)], check=True)
+    conf = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, check=True).stdout
+    cluster = next(ln.split("=", 1)[1].strip() for ln in conf.splitlines() if ln.startswith("ClusterName"))
+    stale = Path(os.environ.get("TMPDIR", "/tmp")) / f"outlier_titan-{cluster}-job{held + 1}-restart0.exit.node0"
+    stale.write_text("75\n")
+    os.utime(stale, (time.time() - 600, time.time() - 600))
+    try:
+        job_id = sbatch(tmp_path, "a", STEPS)
+        assert job_id == str(held + 1), "another job was submitted meanwhile; the stale file named another id"
+        info = wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=300)
+    finally:
+        stale.unlink(missing_ok=True)
+    log = slurm_log(tmp_path, job_id)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", log[-3000:]
+    assert "ending srun" not in log and f"{STEPS} of {STEPS} steps done" in log, log[-3000:]
+    assert losses(tmp_path / "a") == reference[0]
+
+
 def test_a_stray_sigterm_to_the_job_step_requeues_and_never_completes_early(tmp_path, reference):
     """Issue 29: a SIGTERM that reaches the job step but not the batch script (as Slurm's retried signal for a
     dead node's step does after a requeue) makes the ranks save and exit 75; multinode.slurm did not ask for
