@@ -47,12 +47,24 @@ def _comparison_cells(report: str, point: str) -> list[str]:
     return cells
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("suite", ["kaul2024", "he2024", "franke2025"])
-def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path):
-    sweep_dir, out = tmp_path / "sweep", tmp_path / "report"
+def _smoke(suite: str, tmp: Path) -> tuple[Path, Path]:
+    """(sweep folder, report folder) of the suite's smoke scale, run through the script."""
+    sweep_dir, out = tmp / "sweep", tmp / "report"
     proc = _run("--suite", suite, "--scale", "smoke", "--sweep-dir", str(sweep_dir), "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep_dir, out
+
+
+@pytest.fixture(scope="module")
+def franke_smoke(tmp_path_factory) -> tuple[Path, Path]:
+    """franke2025 smoke, run once for the report test and the --adopt test (which works on a copy)."""
+    return _smoke("franke2025", tmp_path_factory.mktemp("franke2025-smoke"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suite", ["kaul2024", "he2024", "franke2025"])
+def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path, request):
+    sweep_dir, out = request.getfixturevalue("franke_smoke") if suite == "franke2025" else _smoke(suite, tmp_path)
     report = (out / "report.md").read_text()
     info = SUITE_INFO[suite]
     planned = load_sweep(suite_file(suite, "smoke")).points
@@ -254,13 +266,14 @@ def test_a_stopped_sweep_is_not_evaluated_or_reported(tmp_path, monkeypatch, cap
 
 
 @pytest.mark.slow
-def test_a_suite_finished_in_parts_adopts_the_earlier_parts_points_from_their_report_folder(tmp_path):
+def test_a_suite_finished_in_parts_adopts_the_earlier_parts_points_from_their_report_folder(tmp_path, franke_smoke):
     """--adopt: a report folder (e.g. committed after part of a suite ran on another machine) gives its finished,
     evaluated points to a new sweep folder; they are not trained or evaluated again, their numbers are unchanged,
     and a point whose recorded config differs from the suite's, or whose logs are missing, is trained again."""
+    import shutil
+
     first = tmp_path / "report-a"
-    proc = _run("--suite", "franke2025", "--scale", "smoke", "--sweep-dir", str(tmp_path / "a"), "--out", str(first))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(franke_smoke[1], first)
     rows = _rows(first)
 
     # the whole report rebuilt from the report folder alone: no training, no evaluation, the same numbers
@@ -279,7 +292,6 @@ def test_a_suite_finished_in_parts_adopts_the_earlier_parts_points_from_their_re
 
     # a part: one point's run under another name (as another suite that shares it names it: adopted by its
     # config), one point's recorded config changed, one evaluated with other settings: those two trained here
-    import shutil
     shutil.move(first / "runs" / "pre_ln", first / "runs" / "gptplus_elsewhere")
     shutil.move(first / "figures" / "hidden_pre_ln.png", first / "figures" / "hidden_gptplus_elsewhere.png")
     cfg = first / "runs" / "angpt" / "config.toml"
