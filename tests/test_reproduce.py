@@ -47,18 +47,19 @@ def _comparison_cells(report: str, point: str) -> list[str]:
     return cells
 
 
-def _smoke(suite: str, tmp: Path) -> tuple[Path, Path]:
+def _smoke(suite: str, tmp: Path, *extra: str) -> tuple[Path, Path]:
     """(sweep folder, report folder) of the suite's smoke scale, run through the script."""
     sweep_dir, out = tmp / "sweep", tmp / "report"
-    proc = _run("--suite", suite, "--scale", "smoke", "--sweep-dir", str(sweep_dir), "--out", str(out))
+    proc = _run("--suite", suite, "--scale", "smoke", "--sweep-dir", str(sweep_dir), "--out", str(out), *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return sweep_dir, out
 
 
 @pytest.fixture(scope="module")
 def franke_smoke(tmp_path_factory) -> tuple[Path, Path]:
-    """franke2025 smoke, run once for the report test and the --adopt test (which works on a copy)."""
-    return _smoke("franke2025", tmp_path_factory.mktemp("franke2025-smoke"))
+    """franke2025 smoke, run once for the report test and the --adopt test (which works on a copy); two points
+    trained, then evaluated, at a time."""
+    return _smoke("franke2025", tmp_path_factory.mktemp("franke2025-smoke"), "--parallel", "2")
 
 
 @pytest.mark.slow

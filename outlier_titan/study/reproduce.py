@@ -73,28 +73,47 @@ def suite_file(suite: str, scale: str) -> Path:
 
 # ------------------------------------------------------------------------------------------------ running
 
-def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, scale: str) -> list[str]:
-    """Runs ``scripts/evaluate.py`` on the final checkpoint of every finished point without its report;
-    returns the names of points whose evaluation failed (their log is ``<point>/eval.log``)."""
-    from outlier_titan.study.runner import is_finished
+def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, scale: str,
+                    parallel: int = 1) -> list[str]:
+    """Runs ``scripts/evaluate.py`` on the final checkpoint of every finished point without its report, ``parallel``
+    at a time (the CPU threads shared out as for the sweep's trainers); returns the names of points whose
+    evaluation failed (their log is ``<point>/eval.log``)."""
+    import time
 
-    failed = []
+    from outlier_titan.study.runner import is_finished, trainer_environment
+
     a = EVAL_ARGS[scale]
+    todo = []
     for e in manifest["points"]:
         folder = point_dir(sweep_dir, e["name"])
-        ckpt = folder / "checkpoints" / f"step-{e['steps']}"
         if not is_finished(folder, e) or _evaluated(folder / "eval" / f"step-{e['steps']}.json", info.all_schemes):
             continue
-        cmd = [sys.executable, "-m", "outlier_titan.tools.evaluate", "--checkpoint", str(ckpt), "--device", "cpu"
-               if scale != "gpu" else "auto", "--schemes", ",".join(info.all_schemes), "--tokens", str(a["tokens"]),
-               "--batch-size", str(a["batch_size"]), "--calib-batches", str(a["calib_batches"]),
-               "--calib-seeds", str(a["calib_seeds"])]
-        with (folder / "eval.log").open("w") as log:
-            rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=child_environment())
-        if rc != 0:
-            failed.append(e["name"])
-    return failed
+        todo.append((e["name"], folder, [
+            sys.executable, "-m", "outlier_titan.tools.evaluate", "--checkpoint",
+            str(folder / "checkpoints" / f"step-{e['steps']}"), "--device", "cpu" if scale != "gpu" else "auto",
+            "--schemes", ",".join(info.all_schemes), "--tokens", str(a["tokens"]), "--batch-size",
+            str(a["batch_size"]), "--calib-batches", str(a["calib_batches"]), "--calib-seeds", str(a["calib_seeds"])]))
+    env = trainer_environment(min(parallel, max(1, len(todo))), 1)
+    failed, running = set(), []
+    try:
+        while todo or running:
+            while todo and len(running) < parallel:
+                name, folder, cmd = todo.pop(0)
+                log = (folder / "eval.log").open("w")
+                running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                       stdin=subprocess.DEVNULL, env=env), log))
+            time.sleep(0.2)
+            for item in [r for r in running if r[1].poll() is not None]:
+                running.remove(item)
+                item[2].close()
+                if item[1].returncode != 0:
+                    failed.add(item[0])
+    finally:  # Ctrl-C: the evaluations in flight end with this process
+        for _, proc, log in running:
+            proc.terminate()
+            proc.wait()
+            log.close()
+    return [e["name"] for e in manifest["points"] if e["name"] in failed]
 
 
 ADOPT_IGNORES = ("job", "checkpoint")
@@ -904,13 +923,14 @@ def manifest_steps(manifest: dict[str, Any], name: str) -> int:
     return next(e["steps"] for e in manifest["points"] if e["name"] == name)
 
 
-def build_report(suite: str, scale: str, sweep_dir: Path, out: Path) -> Path:
-    """Evaluates the finished points that lack a report, collects, and writes the report."""
+def build_report(suite: str, scale: str, sweep_dir: Path, out: Path, parallel: int = 1) -> Path:
+    """Evaluates the finished points that lack a report (``parallel`` at a time), collects, and writes the
+    report."""
     from outlier_titan.study.plan import read_manifest
     from outlier_titan.study.results import collect, write_tables
 
     manifest = read_manifest(sweep_dir)
-    failed = evaluate_points(sweep_dir, manifest, SUITE_INFO[suite], scale)
+    failed = evaluate_points(sweep_dir, manifest, SUITE_INFO[suite], scale, parallel)
     columns, rows = collect(sweep_dir, manifest)
     write_tables(sweep_dir, columns, rows)
     ours(suite, rows, sweep_dir, manifest)

@@ -42,7 +42,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scale", required=True, choices=SCALES)
     p.add_argument("--out", default=None, help="report folder (default reports/<suite>-<scale>)")
     p.add_argument("--sweep-dir", default=None, help="run folders (default outputs/reproduce/<suite>-<scale>)")
-    p.add_argument("--parallel", type=int, default=1, help="local: points at a time")
+    p.add_argument("--parallel", type=int, default=1, help="local: points trained, then evaluated, at a time")
     p.add_argument("--slurm", action="store_true", help="submit the unfinished points as a Slurm job array")
     p.add_argument("--slurm-args", default="",
                    help="extra flags of 'sweep.py run --slurm', one quoted string, e.g. --slurm-args=\"--print-only\"")
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
     elif not args.adopt:
         read_manifest(sweep_dir)
-    report = build_report(args.suite, args.scale, sweep_dir, out)
+    report = build_report(args.suite, args.scale, sweep_dir, out, args.parallel)
     print(report.read_text())
     print(f"wrote {report}", file=sys.stderr)
     return 0
