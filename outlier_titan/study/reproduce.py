@@ -608,7 +608,8 @@ def trajectory_figures(sweep_dir: Path, rows: list[dict[str, Any]], info: SuiteI
                 if len(runs) > 1:
                     ax.fill_between(x, vals.min(0), vals.max(0), color=colour, alpha=0.15, linewidth=0)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel + " — mean over seeds, band: min to max")
+        ax.set_ylabel(ylabel)
+        ax.set_title("mean over seeds; band: their minimum to maximum", fontsize=9)
         if logy and any(ax.get_lines()):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
