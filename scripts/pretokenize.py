@@ -3,7 +3,6 @@
 
 import sys
 
-import _checkout  # noqa: F401  (this checkout's package first on sys.path)
 from outlier_titan.tools.pretokenize import main
 
 if __name__ == "__main__":

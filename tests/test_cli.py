@@ -60,25 +60,3 @@ def test_probe_batch_is_global_and_must_split_over_the_dp_ranks():
     cfg.observe.every = 0  # no probe: nothing to check
     probe_layout(cfg, 4)
 
-
-def test_a_checkouts_scripts_run_that_checkouts_package(tmp_path):
-    """``python <clone>/scripts/X.py`` imports the clone's own package, not the one installed (editable) from another
-    checkout: a sweep started from a ``git worktree`` keeps running that worktree's commit."""
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    (tmp_path / "scripts").mkdir()
-    (tmp_path / "outlier_titan").mkdir()
-    (tmp_path / "outlier_titan" / "__init__.py").write_text("")
-    shutil.copy(repo / "scripts" / "_checkout.py", tmp_path / "scripts" / "_checkout.py")
-    (tmp_path / "scripts" / "which.py").write_text("import _checkout\nimport outlier_titan\nprint(outlier_titan.__file__)\n")
-    out = subprocess.run([sys.executable, str(tmp_path / "scripts" / "which.py")], capture_output=True, text=True,
-                         cwd="/", check=True).stdout.strip()
-    assert out == str(tmp_path / "outlier_titan" / "__init__.py")
-    for script in sorted((repo / "scripts").glob("*.py")):
-        text = script.read_text()
-        if script.name != "_checkout.py":
-            assert text.index("import _checkout") < text.index("from outlier_titan"), script.name
