@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from outlier_titan.errors import UserError
 from outlier_titan.observe.logger import read_metrics
-from outlier_titan.packaged import child_environment, configs_dir
+from outlier_titan.packaged import configs_dir
 from outlier_titan.provenance import code_version
 from outlier_titan.study import stats
 from outlier_titan.study.papers import SUITE_INFO, SuiteInfo
@@ -665,7 +665,7 @@ def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
     from outlier_titan.study.runner import read_state
 
     codes: dict[str, int] = {}
-    adopted: dict[str, list[str]] = {}  # report folder -> the points taken from it (renamed: "ours = theirs")
+    adopted: dict[str, list[tuple[str, str]]] = {}  # report folder -> (our point, its name there)
     missing = 0
     for r in rows:
         state = read_state(point_dir(sweep_dir, r["point"]))
@@ -674,13 +674,11 @@ def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
         for c in recorded:
             codes[c] = codes.get(c, 0) + 1
         if state.get("adopted_from"):
-            theirs = state.get("adopted_point", r["point"])
-            adopted.setdefault(state["adopted_from"], []).append(
-                r["point"] if theirs == r["point"] else f"{r['point']} = {theirs}")
+            adopted.setdefault(state["adopted_from"], []).append((r["point"], state.get("adopted_point", r["point"])))
     took = ""
-    for src, names in adopted.items():
-        renamed = [n for n in names if " = " in n]
-        took += (f" {len(names)} point{'s were' if len(names) != 1 else ' was'} trained and evaluated by an earlier "
+    for src, pairs in adopted.items():
+        renamed = [f"{ours} = {theirs}" for ours, theirs in pairs if ours != theirs]
+        took += (f" {len(pairs)} point{'s were' if len(pairs) != 1 else ' was'} trained and evaluated by an earlier "
                  f"run and adopted from its report folder `{src}` (`--adopt`"
                  + (f"; under another name there: {', '.join(renamed)}" if renamed else "") + ").")
     if not codes:

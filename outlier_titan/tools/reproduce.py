@@ -17,8 +17,7 @@ gpu; kaul2024 and sinks2025 also synthetic; kaul2024 and he2024 also search and 
 finished points and evaluations. ``--adopt DIR`` takes over the finished, evaluated points of a report folder
 written by an earlier run (on any machine, e.g. committed after a part of the suite ran, or another suite's report
 that ran the same configs), so a suite can be run in parts; each adopted point's config is checked against the
-suite's. See
-``outlier_titan/study/reproduce.py``.
+suite's. See ``outlier_titan/study/reproduce.py``.
 """
 
 from __future__ import annotations
