@@ -65,7 +65,8 @@ def franke_smoke(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.mark.slow
 @pytest.mark.parametrize("suite", ["kaul2024", "he2024", "franke2025"])
 def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path, request):
-    sweep_dir, out = request.getfixturevalue("franke_smoke") if suite == "franke2025" else _smoke(suite, tmp_path)
+    sweep_dir, out = (request.getfixturevalue("franke_smoke") if suite == "franke2025"
+                      else _smoke(suite, tmp_path, "--parallel", "2"))
     report = (out / "report.md").read_text()
     info = SUITE_INFO[suite]
     planned = load_sweep(suite_file(suite, "smoke")).points
