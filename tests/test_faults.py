@@ -225,7 +225,9 @@ def test_a_frozen_peer_fails_the_run_within_the_collective_timeout(tmp_path):
     code = finish(proc, timeout=120)
     log = (tmp_path / "run.log").read_text()
     assert code == FAILURE, (code, log[-3000:])
-    assert 5 <= waited < 30, waited
+    # the peer may already wait in the step's collective when the SIGSTOP lands (its 5 s began before t0: 4.9988 s
+    # measured once under load), so the lower bound only rules out an immediate failure such as a TCP reset
+    assert 2.5 <= waited < 30, waited
     assert "parallelism.collective_timeout_s = 5" in log, log[-3000:]
 
 
