@@ -54,10 +54,11 @@ def direct(tmp: Path, name: str, steps: int, nice: bool = False) -> subprocess.P
     return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT)
 
 
-def sbatch(tmp: Path, name: str, steps: int, *flags: str) -> str:
-    """Submits ``scripts/multinode.slurm`` on 1 node x 2 CPU ranks; returns the job id."""
+def sbatch(tmp: Path, name: str, steps: int, *flags: str, export: str = "") -> str:
+    """Submits ``scripts/multinode.slurm`` on 1 node x 2 CPU ranks (``export``: more ``NAME=value,...`` for the
+    script's environment); returns the job id."""
     cmd = ["sbatch", "--parsable", f"--chdir={REPO}", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=1",
-           "--export=ALL,GPUS_PER_NODE=2", f"--output={tmp}/slurm-%j.out", *flags, "scripts/multinode.slurm",
+           f"--export=ALL,GPUS_PER_NODE=2{',' + export if export else ''}", f"--output={tmp}/slurm-%j.out", *flags, "scripts/multinode.slurm",
            *run_args(tmp, name, steps)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, check=True)
     job_id = out.stdout.strip().split(";")[0]
@@ -109,12 +110,14 @@ def test_multinode_slurm_equals_torchrun(tmp_path, reference):
 def test_time_limit_preemption_requeues_until_done(tmp_path, reference):
     """--time=1 with the warning 15 s ahead: Slurm sends USR1 15-45 s into each allocation, the ranks save, the
     script requeues; the run needs ~50 s of steps (more than any one allocation gives), so at least one
-    requeue, and ends COMPLETED."""
+    requeue, and ends COMPLETED. An allocation's share of steps varies a lot on a loaded machine (CI once got
+    ~100 steps out of each of six, the uninterrupted twin competing): MAX_REQUEUES is raised so that the
+    count of allocations, which is not what this test checks, cannot fail it."""
     steps = max(STEPS, min(2000, round(50 / reference[1])))
     t0 = time.monotonic()
-    job_id = sbatch(tmp_path, "a", steps, "--time=1", "--signal=B:USR1@15")
+    job_id = sbatch(tmp_path, "a", steps, "--time=1", "--signal=B:USR1@15", export="MAX_REQUEUES=30")
     ref = direct(tmp_path, "ref", steps, nice=True)  # the uninterrupted twin, meanwhile, yielding the CPUs
-    info = wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=600)
+    info = wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=900)
     log = slurm_log(tmp_path, job_id)
     assert info["JobState"] == "COMPLETED", log[-3000:]
     assert int(info["Restarts"]) >= 1, log[-3000:]
