@@ -22,7 +22,8 @@ def test_sinks2025_smoke_report_comes_from_the_runs(tmp_path):
     sweep_dir, out = tmp_path / "sweep", tmp_path / "report"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce.py"), "--suite", "sinks2025", "--scale",
                            "smoke", "--sweep-dir", str(sweep_dir), "--out", str(out), "--parallel", "2"],
-                          capture_output=True, text=True, timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+                          capture_output=True, text=True, timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with (out / "results.csv").open() as f:
         rows = {r["point"]: r for r in csv.DictReader(f)}
