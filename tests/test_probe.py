@@ -146,3 +146,29 @@ def test_planted_first_token_outlier_is_seen():
     assert planted["outliers/kurtosis_first"] > 20 * base["outliers/kurtosis_first"]
     assert planted["outliers/max_abs_first"] > 100 * base["outliers/max_abs_first"]
     assert planted["outliers/kurtosis_rest"] == pytest.approx(base["outliers/kurtosis_rest"], rel=0.5)
+
+
+def test_probe_on_compiled_blocks_equals_eager_and_compiles_once_for_any_depth():
+    """With ``compile.enable`` the blocks are compiled and the probe's hooks run inside them. The hooks run eager
+    (``torch.compiler.disable``): traced, their growing dictionaries were guards, so Dynamo compiled each layer
+    again until its recompile limit (8) and a 12-layer model's first probe took 21 s on an H200."""
+    from torch._dynamo.utils import counters
+
+    graphs = {}
+    for n_layers in (3, 10):
+        torch._dynamo.reset()
+        counters.clear()
+        model, tok = build(n_layers=n_layers), tokens(2, 16)
+        want, _ = OutlierProbe(model, Observe(mode="full")).run(tok)
+        for block in model.layers.values():
+            block.compile(backend="eager")
+        model(tok)
+        probe = OutlierProbe(model, Observe(mode="full"))
+        got, _ = probe.run(tok)
+        probe.run(tok)
+        graphs[n_layers] = counters["stats"]["unique_graphs"]
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7, nan_ok=True), k
+    torch._dynamo.reset()
+    assert graphs[10] == graphs[3], graphs

@@ -97,7 +97,7 @@ class OutlierProbe:
                 x, r = self._full_residual(x, seq_len)
                 rep["res"] |= r
                 res[name] = om.residual_sums(x, centred)
-            return hook
+            return torch.compiler.disable(hook)
 
         def head_hook(_module, _inputs, output):
             x, r = self._full_residual(output, seq_len)
@@ -110,7 +110,7 @@ class OutlierProbe:
                 rep["attn"] |= r
                 sums = om.attention_sums(p, map_size, sink=module.softmax in WITH_SINK)
                 attn[name] = om.add_sums(attn.get(name), self._global_heads(sums, module, r))
-            return hook
+            return torch.compiler.disable(hook)
 
         def heads_hook(name, module):
             def hook(out, v):
@@ -118,7 +118,7 @@ class OutlierProbe:
                 rep["attn"] |= r
                 sums = self._global_heads(om.head_sums(out, v), module, r)
                 heads[name] = om.add_sums(heads.get(name), sums)
-            return hook
+            return torch.compiler.disable(hook)
 
         handles = [self.model.layers[n].register_forward_hook(block_hook(n)) for n in self.layer_names]
         handles.append(self.model.norm.register_forward_hook(head_hook))
