@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -126,9 +127,13 @@ def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path, request):
 def test_gpu_dry_run_lists_the_papers_runs_on_1_and_8_gpus():
     expected = {"kaul2024": (8, "orthoadam_softmax1_rmsnorm_single"), "he2024": (8, "op_soap"),
                 "franke2025": (3, "angpt"), "sinks2025": (18, "orthoadam_softpick")}
+    # the four plans side by side (each is a subprocess of its own: ~15 s of imports and meta-device planning)
+    with ThreadPoolExecutor(len(expected)) as pool:
+        procs = dict(zip(expected, pool.map(lambda suite: _run("--suite", suite, "--scale", "gpu", "--dry-run",
+                                                               "--tokenizer", str(EMBEDDED_BPE), timeout=300),
+                                            expected)))
     for suite, (count, name) in expected.items():
-        proc = _run("--suite", suite, "--scale", "gpu", "--dry-run", "--tokenizer",
-                    str(EMBEDDED_BPE), timeout=300)
+        proc = procs[suite]
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "1GPU:micro" in proc.stdout and "8GPU:micro" in proc.stdout
         runs = [ln.split() for ln in proc.stdout.splitlines() if re.match(r"^\S+\s+[\d.]+[kMG]\s", ln)]
