@@ -333,3 +333,23 @@ def test_adopt_refuses_a_folder_that_is_not_a_report(tmp_path):
     proc = _run("--suite", "franke2025", "--scale", "smoke", "--sweep-dir", str(tmp_path / "s2"), "--adopt",
                 str(tmp_path / "empty"), "--report-only")
     assert proc.returncode == 2 and "no runs/ folder there" in proc.stderr
+
+
+def test_anatomy_section_summarises_the_copied_anatomy_of_each_point(tmp_path):
+    """A point whose run folder holds scripts/anatomy.py's output gets a row: per checkpoint the largest |x| with
+    its block and the most large entries per sequence over the blocks; points without one get none."""
+    from outlier_titan.study.reproduce import anatomy_section
+
+    def block(max_abs, per_sequence):
+        return {"max_abs": max_abs, "per_sequence": per_sequence}
+
+    run = tmp_path / "runs" / "op_soap_s0"
+    run.mkdir(parents=True)
+    (run / "anatomy.json").write_text(json.dumps({"run": "x", "factor": 100.0, "steps": {
+        "200": {"0": block(7.5, 0.0), "1": block(12.0, 0.5)},
+        "100": {"0": block(85.0, 3.0), "1": block(9.0, 0.0)}}}))
+    assert anatomy_section(tmp_path, [{"point": "pre_ln_adamw_s0"}]) == []
+    lines = anatomy_section(tmp_path, [{"point": "op_soap_s0"}, {"point": "pre_ln_adamw_s0"}])
+    rows = [ln for ln in lines if ln.startswith("| [")]
+    assert rows == [f"| [op_soap_s0](runs/op_soap_s0/anatomy.md) | 100 | 100: {fmt(85.0)} (0), {fmt(3.0)}; "
+                    f"200: {fmt(12.0)} (1), {fmt(0.5)} |"]

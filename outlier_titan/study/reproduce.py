@@ -654,6 +654,35 @@ def peaks_table(sweep_dir: Path, rows: list[dict[str, Any]], metrics: list[str])
     return lines
 
 
+ANATOMY_FILES = ("anatomy.md", "anatomy.json")  # what scripts/anatomy.py writes into a run folder, if it was run
+
+
+def anatomy_section(out: Path, rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown, for the points whose copied run folder (``runs/<point>/``) holds ``scripts/anatomy.py``'s output:
+    per checkpoint, the residual stream's largest |x| (its block) and the most large entries per sequence in any
+    block. Empty when no point has one."""
+    table = []
+    for r in rows:
+        path = out / "runs" / r["point"] / "anatomy.json"
+        if not path.is_file():
+            continue
+        a = json.loads(path.read_text())
+        cells = []
+        for step, blocks in sorted(a["steps"].items(), key=lambda kv: int(kv[0])):
+            block, worst = max(blocks.items(), key=lambda kv: kv[1]["max_abs"])
+            large = max(b["per_sequence"] for b in blocks.values())
+            cells.append(f"{step}: {fmt(worst['max_abs'])} ({block}), {fmt(large)}")
+        table.append(f"| [{r['point']}](runs/{r['point']}/anatomy.md) | {a['factor']:g} | {'; '.join(cells)} |")
+    if not table:
+        return []
+    return ["## Where the large activations sit (`scripts/anatomy.py`)", "",
+            "Per checkpoint the run kept, on the same validation sequences: the residual stream's largest |x| (the "
+            "block holding it) and the most large entries per sequence in any block (large: above the factor times "
+            "the sequence's median |x| at that block, Sun et al. 2024). The tokens, positions and channels that carry "
+            "them are in each point's `anatomy.md`.", "",
+            "| point | factor | step: max \\|x\\| (block), large entries per sequence |", "|---|---|---|", *table, ""]
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 def _axes_label(row: dict[str, Any], axes: list[str]) -> str:
@@ -709,7 +738,7 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
             continue
         shutil.rmtree(dst, ignore_errors=True)
         dst.mkdir(parents=True, exist_ok=True)
-        for f in ("metrics.jsonl", "config.toml", "sweep_state.json"):
+        for f in ("metrics.jsonl", "config.toml", "sweep_state.json", *ANATOMY_FILES):
             if (src / f).is_file():
                 shutil.copy2(src / f, dst / f)
         for f in (src / "eval").glob("step-*.json") if (src / "eval").is_dir() else []:
@@ -790,7 +819,8 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     lines += peaks_table(sweep_dir, rows, list(dict.fromkeys([info.kurtosis, "kurtosis_neuron_rms",
                                                               "first_token_argmax_share", "max_abs_rest",
                                                               *info.extra_probe])))
-    lines += ["", "## Appendix: every point, every seed (settings → final and peak metrics)", "",
+    lines += [""] + anatomy_section(out, rows)
+    lines += ["## Appendix: every point, every seed (settings → final and peak metrics)", "",
               (out / "results.md").read_text().rstrip(), ""]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
