@@ -282,6 +282,10 @@ def test_a_suite_finished_in_parts_adopts_the_earlier_parts_points_from_their_re
     first = tmp_path / "report-a"
     shutil.copytree(franke_smoke[1], first)
     rows = _rows(first)
+    # scripts/anatomy.py's output on one of its runs travels with the adopted point
+    anatomy = {"run": "x", "factor": 100.0, "steps": {"8": {"0": {"max_abs": 5.0, "per_sequence": 0.0}}}}
+    (first / "runs" / "angpt" / "anatomy.json").write_text(json.dumps(anatomy))
+    (first / "runs" / "angpt" / "anatomy.md").write_text("# Activation anatomy\n")
 
     # the whole report rebuilt from the report folder alone: no training, no evaluation, the same numbers
     again = tmp_path / "report-b"
@@ -293,9 +297,11 @@ def test_a_suite_finished_in_parts_adopts_the_earlier_parts_points_from_their_re
     assert not list((tmp_path / "b").rglob("checkpoints")) and not list((tmp_path / "b").rglob("eval.log"))
     report = (again / "report.md").read_text()
     assert f"3 points were trained and evaluated by an earlier run and adopted from its report folder `{first}`" in report
-    assert (again / "report.md").read_text().split("## Verdicts")[1] == \
-        (first / "report.md").read_text().split("## Verdicts")[1]
+    without_anatomy = re.sub(r"## Where the large activations sit.*?(?=## Appendix)", "", report, flags=re.S)
+    assert without_anatomy.split("## Verdicts")[1] == (first / "report.md").read_text().split("## Verdicts")[1]
     assert list((again / "figures").glob("hidden_*.png"))
+    assert (again / "runs" / "angpt" / "anatomy.md").is_file()
+    assert "| [angpt](runs/angpt/anatomy.md) | 100 | 8: " in report
 
     # a part: one point's run under another name (as another suite that shares it names it: adopted by its
     # config), one point's recorded config changed, one evaluated with other settings: those two trained here

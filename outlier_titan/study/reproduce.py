@@ -121,6 +121,9 @@ ADOPT_IGNORES = ("job", "checkpoint")
 changes none of its numbers (a tile study adopts its cpu suite's whole-axis points, which keep more checkpoints)."""
 
 
+ANATOMY_FILES = ("anatomy.md", "anatomy.json")  # what scripts/anatomy.py writes into a run folder, if it was run
+
+
 def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, schemes: tuple[str, ...],
                  scale: str) -> tuple[list[str], list[str]]:
     """Takes over the finished, evaluated points of an earlier run from its report folder (``source/runs/<point>/``,
@@ -182,8 +185,9 @@ def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, scheme
         src, steps = runs / name, e["steps"]
         taken.add(name)
         (folder / "eval").mkdir(parents=True, exist_ok=True)
-        for f in ("metrics.jsonl", "config.toml"):
-            shutil.copy2(src / f, folder / f)
+        for f in ("metrics.jsonl", "config.toml", *ANATOMY_FILES):
+            if (src / f).is_file():  # the anatomy only where scripts/anatomy.py was run
+                shutil.copy2(src / f, folder / f)
         shutil.copy2(src / f"step-{steps}.json", folder / "eval" / f"step-{steps}.json")
         picture = Path(source) / "figures" / f"hidden_{name}.png"
         if picture.is_file():
@@ -652,9 +656,6 @@ def peaks_table(sweep_dir: Path, rows: list[dict[str, Any]], metrics: list[str])
                          f"{worst}")
         lines.append(f"| {r['point']} | " + " | ".join(cells) + " |")
     return lines
-
-
-ANATOMY_FILES = ("anatomy.md", "anatomy.json")  # what scripts/anatomy.py writes into a run folder, if it was run
 
 
 def anatomy_section(out: Path, rows: list[dict[str, Any]]) -> list[str]:
