@@ -148,7 +148,7 @@ def test_planted_first_token_outlier_is_seen():
     assert planted["outliers/kurtosis_rest"] == pytest.approx(base["outliers/kurtosis_rest"], rel=0.5)
 
 
-def test_probe_on_compiled_blocks_equals_eager_and_compiles_once_for_any_depth():
+def test_probe_on_compiled_blocks_equals_eager_and_compiles_as_many_graphs_at_any_depth():
     """With ``compile.enable`` the blocks are compiled and the probe's hooks run inside them. The hooks run eager
     (``torch.compiler.disable``): traced, their growing dictionaries were guards, so Dynamo compiled each layer
     again until its recompile limit (8) and a 12-layer model's first probe took 21 s on an H200."""

@@ -58,8 +58,8 @@ def sbatch(tmp: Path, name: str, steps: int, *flags: str, export: str = "") -> s
     """Submits ``scripts/multinode.slurm`` on 1 node x 2 CPU ranks (``export``: more ``NAME=value,...`` for the
     script's environment); returns the job id."""
     cmd = ["sbatch", "--parsable", f"--chdir={REPO}", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=1",
-           f"--export=ALL,GPUS_PER_NODE=2{',' + export if export else ''}", f"--output={tmp}/slurm-%j.out", *flags, "scripts/multinode.slurm",
-           *run_args(tmp, name, steps)]
+           f"--export=ALL,GPUS_PER_NODE=2{',' + export if export else ''}", f"--output={tmp}/slurm-%j.out", *flags,
+           "scripts/multinode.slurm", *run_args(tmp, name, steps)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, check=True)
     job_id = out.stdout.strip().split(";")[0]
     reason = never_runs(job_id)

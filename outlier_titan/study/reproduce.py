@@ -185,8 +185,10 @@ def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, scheme
         src, steps = runs / name, e["steps"]
         taken.add(name)
         (folder / "eval").mkdir(parents=True, exist_ok=True)
-        for f in ("metrics.jsonl", "config.toml", *ANATOMY_FILES):
-            if (src / f).is_file():  # the anatomy only where scripts/anatomy.py was run
+        for f in ("metrics.jsonl", "config.toml"):
+            shutil.copy2(src / f, folder / f)
+        for f in ANATOMY_FILES:  # only where scripts/anatomy.py was run
+            if (src / f).is_file():
                 shutil.copy2(src / f, folder / f)
         shutil.copy2(src / f"step-{steps}.json", folder / "eval" / f"step-{steps}.json")
         picture = Path(source) / "figures" / f"hidden_{name}.png"
