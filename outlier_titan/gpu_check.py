@@ -1,7 +1,7 @@
 """The GPU check: an environment report, the ``gpu``-marked tests and the GPU benchmarks, in three parts that
 each fit one 10-minute device call; ``--dry`` runs the same code paths on tiny shapes on the CPU.
 
-    python -m outlier_titan.gpu_check --part 1|2|3|all [--dry] [--out DIR] [--budget SECONDS]
+    python -m outlier_titan.gpu_check --part 1|2|3|all [--dry] [--out DIR] [--budget SECONDS] [--only NAMES]
     scripts/gpu_check.sh --part 1 [--dry]                      # the same, $OUT as the output folder
 
 Parts (see docs/gpu.md):
@@ -748,13 +748,17 @@ def _table(kind: str, rows: list[dict], items: list[dict]) -> list[str]:
 
 
 def run_parts(parts: tuple[str, ...], dry: bool, out: Path, budget_s: float, command: str,
-              tests: bool = True, items: dict[str, list[dict]] | None = None) -> list[dict]:
+              tests: bool = True, items: dict[str, list[dict]] | None = None, only: tuple[str, ...] = ()
+              ) -> list[dict]:
     """Runs the parts' items in one chain of workers (``budget_s`` per part) and writes each part's JSON and
-    markdown; the log is ``gpu_check_part<N>.log`` (``all`` when several parts run)."""
+    markdown; the log is ``gpu_check_part<N>.log`` (``all`` when several parts run). ``only``: just the items
+    whose name contains one of these strings."""
     out.mkdir(parents=True, exist_ok=True)
     t_end = time.monotonic() + budget_s * len(parts)
     label = parts[0] if len(parts) == 1 else "all"
     plans = {part: plan(part, dry) if items is None else items[part] for part in parts}
+    if only:
+        plans = {part: [it for it in chain if any(s in it["name"] for s in only)] for part, chain in plans.items()}
     with open(out / f"gpu_check_part{label}.log", "w") as log, tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         log.write(f"=== {command}\n")
         env = environment()
@@ -795,6 +799,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="output folder (default: $OUT, else ./gpu_check_out)")
     parser.add_argument("--budget", type=float, default=PART_BUDGET_S, help="seconds per part")
     parser.add_argument("--no-tests", action="store_true", help="part 1 without the pytest run")
+    parser.add_argument("--only", default="", help="comma-separated parts of item names: run just those items "
+                        "(e.g. --only 'on pre_ln/seed000_gpt2_130m' for part 3's optimizer steps)")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--events", default="", help=argparse.SUPPRESS)
@@ -806,7 +812,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--part {args.part!r}: use 1, 2, 3 or all")
     command = "python -m outlier_titan.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv)
     failed = False
-    for report in run_parts(parts, args.dry, Path(args.out), args.budget, command, tests=not args.no_tests):
+    only = tuple(s.strip() for s in args.only.split(",") if s.strip())
+    names = [it["name"] for part in parts for it in plan(part, args.dry)]
+    if only and not any(s in n for s in only for n in names):
+        parser.error(f"--only {args.only!r} matches no item of part {args.part}; its items: {'; '.join(names)}")
+    for report in run_parts(parts, args.dry, Path(args.out), args.budget, command, tests=not args.no_tests,
+                            only=only):
         failed |= any(it["status"] != "ok" for it in report["items"]) or bool(report["plan_problems"])
         t = report["tests"]
         failed |= bool(t and (t["failures"] or t["errors"] or t["returncode"] not in (0, 5)))

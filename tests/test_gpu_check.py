@@ -127,3 +127,16 @@ def test_dry_mode_runs_every_part_on_the_cpu(tmp_path):
 def test_report_says_whether_the_torch_meets_pyproject(version, ok):
     assert gpu_check._meets(version, "torch>=2.13") is ok
     assert gpu_check._meets(version, None) is None
+
+
+def test_only_runs_the_named_items_and_a_name_that_matches_nothing_is_a_usage_error(tmp_path, capsys):
+    """``--only``: just the items whose name contains one of the strings (here part 3's optimizer steps, dry);
+    a string that names no item exits 2 with the part's item names."""
+    reports = gpu_check.run_parts(("3",), True, tmp_path, 300, "test", only=("adamw on", "soap on"))
+    names = [it["name"] for it in reports[0]["items"]]
+    assert names == ["adamw on pre_ln/debug fp32 CPU (dry)", "soap on pre_ln/debug fp32 CPU (dry)"], names
+    assert all(it["status"] == "ok" for it in reports[0]["items"]), reports[0]["items"]
+    assert "| soap |" in (tmp_path / "gpu_check_part3.md").read_text()
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--part", "3", "--dry", "--out", str(tmp_path), "--only", "no such item"])
+    assert e.value.code == 2 and "adamw on pre_ln" in capsys.readouterr().err
