@@ -39,12 +39,15 @@ def test_code_version_is_the_commit_dirty_only_for_changed_tracked_files(checkou
     assert provenance.git_commit() == head
 
 
-def test_report_states_the_code_of_each_point(tmp_path):
+def test_report_states_the_code_of_each_finished_point(tmp_path):
+    """The code of each finished point; an interrupted point (its state records a code) is not counted."""
     points = tmp_path / "points"
-    for name, state in (("a_s0", {"code": ["abc"]}), ("a_s1", {"code": ["abc", "def+dirty"]}), ("a_s2", {})):
+    for name, state in (("a_s0", {"code": ["abc"]}), ("a_s1", {"code": ["abc", "def+dirty"]}), ("a_s2", {}),
+                        ("b_s0", {"code": ["ghi"]})):
         (points / name).mkdir(parents=True)
         (points / name / "sweep_state.json").write_text(json.dumps(state))
-    rows = [{"point": n} for n in ("a_s0", "a_s1", "a_s2")]
+    rows = [{"point": n, "status": "done"} for n in ("a_s0", "a_s1", "a_s2")]
+    rows.append({"point": "b_s0", "status": "interrupted"})
     assert trained_by(tmp_path, rows) == ("points trained at code abc (2 points), def+dirty (1 point); 1 point "
                                           "without a record.")
     assert "not recorded" in trained_by(tmp_path, rows[2:])

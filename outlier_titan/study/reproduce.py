@@ -693,13 +693,16 @@ def _axes_label(row: dict[str, Any], axes: list[str]) -> str:
 
 
 def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
-    """The report's sentence on the code that trained the points (``code`` of each ``sweep_state.json``)."""
+    """The report's sentence on the code that trained the finished points (``code`` of each ``sweep_state.json``;
+    a point still running or interrupted is not counted)."""
     from outlier_titan.study.runner import read_state
 
     codes: dict[str, int] = {}
     adopted: dict[str, list[tuple[str, str]]] = {}  # report folder -> (our point, its name there)
     missing = 0
     for r in rows:
+        if r.get("status") != "done":
+            continue
         state = read_state(point_dir(sweep_dir, r["point"]))
         recorded = state.get("code", [])
         missing += not recorded
