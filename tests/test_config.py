@@ -5,6 +5,7 @@ import pytest
 
 from outlier_titan.config.manager import ConfigError, help_text, parse_args, to_toml
 from outlier_titan.config.manager import tomllib
+from outlier_titan.optim import builder  # noqa: F401  the built-in optimizers register, as in the trainer
 from tests.launch import REPO
 
 DEBUG = str(REPO / "train_configs" / "debug.toml")

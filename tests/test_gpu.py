@@ -156,6 +156,8 @@ def test_optimizer_on_device_dtensors_matches_cpu(one_rank, device, name):
             p.grad = distribute_tensor(grads[n].to(device), mesh, p.placements)
         opt_ref.step()
         opt_dev.step()
+    if name in ("adamw", "adam"):  # optimizer.implementation = auto: torch's fused kernel on the GPU only
+        assert bool(opt_dev.param_groups[0]["fused"]) == (device == "cuda")
     for n, p in dev.named_parameters():
         got, want = p.full_tensor().cpu(), dict(ref.named_parameters())[n].detach()
         moved = (want - init[n]).abs().max().item()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -206,3 +207,55 @@ def test_the_engine_reads_every_key_of_its_option_group_with_the_same_defaults()
         assert f.name in TILE_LAYOUT_KEYS
         default = f.default_factory() if f.default is dc.MISSING else f.default
         assert engine[f.name] == (tuple(default) if isinstance(default, list) else default), f.name
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam"])
+def test_torch_adam_kernels_follow_optimizer_implementation_and_agree(name):
+    """``optimizer.implementation``: ``auto`` is foreach on the CPU (where the reports were trained; a GPU takes
+    the fused kernel, tests/test_gpu.py), ``fused`` and ``foreach`` as asked; the two train a small model to the
+    same parameters to float64 rounding."""
+    from outlier_titan.config.job_config import Optimizer
+    from outlier_titan.optim.builder import build_optimizer
+    from tests.small_model import learnable_batches, tiny_model, train_losses
+
+    finals = {}
+    for impl in ("auto", "fused", "foreach"):
+        model = tiny_model()
+        opt_ = build_optimizer(model, Optimizer(name=name, lr=1e-2, implementation=impl), seed=0)
+        group = opt_.param_groups[0]
+        assert bool(group["fused"]) == (impl == "fused") and bool(group["foreach"]) == (impl != "fused")
+        losses = train_losses(model, opt_, learnable_batches(10))
+        assert losses[-1] < losses[0]
+        finals[impl] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(finals["fused"], finals["foreach"]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    from outlier_titan.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="choose one of: auto, fused, foreach"):
+        parse_args(["--optimizer.implementation", "fast"])
+
+
+def test_a_resumed_run_takes_its_own_adam_kernel_not_the_checkpoints(tmp_path):
+    """torch restores a group's fused / foreach flags from the checkpoint; the resumed run keeps its own
+    ``optimizer.implementation`` (saved with foreach, resumed fused), with the moments and step counts loaded."""
+    import torch.distributed.checkpoint as dcp
+
+    from outlier_titan.checkpoint.manager import OptimizerState
+    from outlier_titan.config.job_config import Optimizer
+    from outlier_titan.optim.builder import build_optimizer
+    from tests.small_model import learnable_batches, tiny_model, train_losses
+
+    batches = learnable_batches(8)
+    model = tiny_model()
+    saved = build_optimizer(model, Optimizer(name="adamw", lr=1e-2, implementation="foreach"), seed=0)
+    train_losses(model, saved, batches[:4])
+    dcp.save({"optimizer": OptimizerState(model, saved)}, checkpoint_id=str(tmp_path))
+    model.zero_grad(set_to_none=True)  # as at a resume: DCP initialises the state only without gradients
+    resumed = build_optimizer(model, Optimizer(name="adamw", lr=1e-2, implementation="fused"), seed=0)
+    dcp.load({"optimizer": OptimizerState(model, resumed)}, checkpoint_id=str(tmp_path))
+    assert all(g["fused"] and not g["foreach"] for g in resumed.param_groups)
+    for p in model.parameters():
+        assert torch.equal(resumed.state[p]["exp_avg_sq"], saved.state[p]["exp_avg_sq"])
+        assert float(resumed.state[p]["step"]) == 4.0 and resumed.state[p]["step"].dtype == torch.float32
+    losses = train_losses(model, resumed, batches[4:])
+    assert all(math.isfinite(x) for x in losses)

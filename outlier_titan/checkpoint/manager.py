@@ -65,8 +65,19 @@ class OptimizerState(Stateful):
                                         options=StateDictOptions(flatten_optimizer_state_dict=True))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # torch restores each group's settings from the checkpoint, its fused / foreach flags too; the kernel is
+        # this run's choice (optimizer.implementation: a run saved on the CPU takes the fused kernel on a GPU).
+        kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state,
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
+        for group, kept in zip(self.optimizer.param_groups, kernels):
+            group.update(kept)
+            if not group.get("fused"):
+                continue
+            for p in group["params"]:  # the fused kernel keeps its step counts on the parameter's device
+                st = self.optimizer.state.get(p, {})
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].to(dtype=torch.float32, device=p.device)
 
 
 def list_checkpoints(folder: Path) -> list[int]:

@@ -79,6 +79,9 @@ class OptimizerCommon:
     eps: float = opt(1e-8, "Adam/RMSProp epsilon.")
     weight_decay: float = opt(0.1, "Decoupled weight decay (AdamW-style) for decayed parameters.")
     momentum: bool = opt(True, "SGD: use momentum beta1 (false = plain SGD).")
+    implementation: str = opt("auto", "torch's AdamW / Adam kernels: fused (one kernel per step; torchtitan's "
+                              "default), foreach (multi-tensor), or auto = fused on a GPU, foreach on the CPU.",
+                              ["auto", "fused", "foreach"])
     no_decay: list = opt(["norm", "bias", "embedding"],
                          "Parameter classes without weight decay: any of norm, bias, embedding, gain, sink "
                          "(learned attention sink logits).")
