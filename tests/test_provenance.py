@@ -48,8 +48,8 @@ def test_report_states_the_code_of_each_finished_point(tmp_path):
         (points / name / "sweep_state.json").write_text(json.dumps(state))
     rows = [{"point": n, "status": "done"} for n in ("a_s0", "a_s1", "a_s2")]
     rows.append({"point": "b_s0", "status": "interrupted"})
-    assert trained_by(tmp_path, rows) == ("points trained at code abc (2 points), def+dirty (1 point); 1 point "
-                                          "without a record.")
+    assert trained_by(tmp_path, rows) == ("points trained at code abc (2 points), def+dirty (1 point) (1 point "
+                                          "resumed at other code, counted under each); 1 point without a record.")
     assert "not recorded" in trained_by(tmp_path, rows[2:])
 
 

@@ -699,13 +699,14 @@ def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
 
     codes: dict[str, int] = {}
     adopted: dict[str, list[tuple[str, str]]] = {}  # report folder -> (our point, its name there)
-    missing = 0
+    missing = several = 0
     for r in rows:
         if r.get("status") != "done":
             continue
         state = read_state(point_dir(sweep_dir, r["point"]))
         recorded = state.get("code", [])
         missing += not recorded
+        several += len(set(recorded)) > 1
         for c in recorded:
             codes[c] = codes.get(c, 0) + 1
         if state.get("adopted_from"):
@@ -720,6 +721,7 @@ def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
         return "the code that trained the points is not recorded in their `sweep_state.json`." + took
     parts = [f"{c} ({n} point{'s' * (n != 1)})" for c, n in codes.items()]
     return ("points trained at code " + ", ".join(parts)
+            + (f" ({several} point{'s' * (several != 1)} resumed at other code, counted under each)" if several else "")
             + (f"; {missing} point{'s' * (missing != 1)} without a record" if missing else "") + "." + took)
 
 
