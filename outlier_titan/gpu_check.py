@@ -747,6 +747,11 @@ def _table(kind: str, rows: list[dict], items: list[dict]) -> list[str]:
                                                               for it in rows]
 
 
+def named(item: dict, only: tuple[str, ...]) -> bool:
+    """Whether the item's name contains one of the ``--only`` strings."""
+    return any(s in item["name"] for s in only)
+
+
 def run_parts(parts: tuple[str, ...], dry: bool, out: Path, budget_s: float, command: str,
               tests: bool = True, items: dict[str, list[dict]] | None = None, only: tuple[str, ...] = ()
               ) -> list[dict]:
@@ -758,7 +763,7 @@ def run_parts(parts: tuple[str, ...], dry: bool, out: Path, budget_s: float, com
     label = parts[0] if len(parts) == 1 else "all"
     plans = {part: plan(part, dry) if items is None else items[part] for part in parts}
     if only:
-        plans = {part: [it for it in chain if any(s in it["name"] for s in only)] for part, chain in plans.items()}
+        plans = {part: [it for it in chain if named(it, only)] for part, chain in plans.items()}
     with open(out / f"gpu_check_part{label}.log", "w") as log, tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         log.write(f"=== {command}\n")
         env = environment()
@@ -813,9 +818,10 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m outlier_titan.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv)
     failed = False
     only = tuple(s.strip() for s in args.only.split(",") if s.strip())
-    names = [it["name"] for part in parts for it in plan(part, args.dry)]
-    if only and not any(s in n for s in only for n in names):
-        parser.error(f"--only {args.only!r} matches no item of part {args.part}; its items: {'; '.join(names)}")
+    items = [it for part in parts for it in plan(part, args.dry)]
+    if only and not any(named(it, only) for it in items):
+        parser.error(f"--only {args.only!r} matches no item of part {args.part}; its items: "
+                     f"{'; '.join(it['name'] for it in items)}")
     for report in run_parts(parts, args.dry, Path(args.out), args.budget, command, tests=not args.no_tests,
                             only=only):
         failed |= any(it["status"] != "ok" for it in report["items"]) or bool(report["plan_problems"])

@@ -1,11 +1,13 @@
 """SOAP's optimizer step with the batched Householder QR (householder_q.py, beside this file) vs torch's batched QR,
-interleaved in one process (gpu_check part 3's SOAP item). At the time SOAP called it through a `qr_q` hook (reverted);
-run from the repository root: PYTHONPATH=.:benchmarks/gpu-2026-11-27-h200-soap python qr_ab.py"""
+interleaved in one process (gpu_check part 3's SOAP item). Run from the repository root:
+PYTHONPATH=.:benchmarks/gpu-2026-11-27-h200-soap python benchmarks/gpu-2026-11-27-h200-soap/qr_ab.py
+The measured run (qr_ab.json) used the trial code, which called the QR through a hook and put both sides' tiles in
+one call; here torch.linalg.qr itself is swapped, so each side is one call (SOAP's refresh as committed)."""
 import json, os, statistics, time
 from pathlib import Path
 import torch
 from outlier_titan import gpu_check
-from outlier_titan.optim import soap
+import types
 from householder_q import householder_q
 
 dev = torch.device("cuda")
@@ -27,10 +29,14 @@ trainer = gpu_check._trainer(item, False, Path("/tmp/wd"))
 for _ in range(3):
     trainer.train_step()
 ab = {}
+torch_qr = torch.linalg.qr
+arms = (("householder_q", lambda a, *args, **kw: types.SimpleNamespace(Q=householder_q(a))),
+        ("torch.linalg.qr", torch_qr))
 for rep in range(2):  # interleaved: householder, torch's, householder, torch's
-    for label, fn in (("householder_q", householder_q), ("torch.linalg.qr", lambda a: torch.linalg.qr(a).Q)):
-        soap.qr_q = fn
+    for label, fn in arms:
+        torch.linalg.qr = fn  # what optim/soap.py's refresh_tiles calls
         ab.setdefault(label, []).extend(timed(trainer.optimizer.step, 10))
+torch.linalg.qr = torch_qr
 out = {k: {"median_ms": statistics.median(v) * 1e3, "all_ms": [round(x * 1e3, 1) for x in v]} for k, v in ab.items()}
 print(json.dumps(out, indent=0), flush=True)
 Path(os.environ["OUT"], "qr_ab.json").write_text(json.dumps({"micro": res, "opt_step": out}, indent=1))
