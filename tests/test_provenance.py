@@ -79,3 +79,12 @@ def test_every_suite_adds_the_4bit_rows_marked_as_added():
     assert row.startswith("| op_soap | 51 ± 1.4 | 0.6 ± 0.14 (calib. sd 0.1) | 4 ± 1.4 |"), row
     # park2025's verdicts rest on its 4-bit schemes: nothing to mark there
     assert not any("(added)" in line for line in ptq_table([group], SUITE_INFO["park2025"]))
+    # what the rotation did, per setting, from the points' evaluation reports
+    group["points"] = ["op_soap_s0", "op_soap_s1"]
+    other = {"point": "post_ln", "points": ["post_ln_s0"]}
+    rows = [{"point": "op_soap_s0", "ptq_rotation": "residual stream: randomised Hadamard 256"},
+            {"point": "op_soap_s1", "ptq_rotation": "residual stream: randomised Hadamard 256"},
+            {"point": "post_ln_s0", "ptq_rotation": "not applied: the post_ln block ..."}]
+    lines = ptq_table([group, other], info, rows)
+    assert lines[-3:] == ["Rotated schemes (`_hadamard`) on op_soap: residual stream: randomised Hadamard 256.",
+                          "Rotated schemes (`_hadamard`) on post_ln: not applied: the post_ln block ....", ""]

@@ -5,12 +5,16 @@
 1. Untie the head (a tied head becomes an ``output`` linear holding a copy of the embedding matrix), and fold the
    embedding projections (``model.embed_proj``) into the token embedding and the head, ``E <- E P1^T``,
    ``W <- W P2``, as export does.
-2. LayerNorm only: subtract the mean from everything that writes into the residual stream (token and learned
-   position embeddings, the outputs of ``wo`` and ``w2`` with their biases), so the stream is exactly zero-mean
-   and every LayerNorm equals an RMSNorm of the same eps (QuaRot's handling of LayerNorm models).
+2. OP's per-channel residual scales (LayerScale) fold into the writer before them, ``W <- diag(s) W``; scalar
+   scales (OP's beta, the MLP's alpha, the embedding multiplier) commute with a rotation and stay.
 3. Fold every norm's gain (vector, or the single-scale RMSNorm's scalar) and LayerNorm bias into the linear layers
    that read its output (``wq wk wv`` and a gate's ``wg``, ``w1 w3``, the head: ``W <- W diag(g)``,
-   ``b <- b + W beta``); the norms become gain-less RMSNorms.
+   ``b <- b + W beta``); the norms become gain-less RMSNorms. LayerNorm: when every read of the residual stream is
+   a LayerNorm, subtract the mean from everything that writes into the stream (token and learned position
+   embeddings, the outputs of ``wo`` and ``w2`` with their biases), so the stream is exactly zero-mean and every
+   LayerNorm equals an RMSNorm of the same eps (QuaRot's handling of LayerNorm models); when something reads the
+   stream without one (OP's raw reads, a Pre-RMS block before a final LayerNorm), each LayerNorm becomes a
+   :class:`CenteredRMSNorm` that removes the rotated all-ones direction instead.
 4. Rotate the residual stream by ``Q = diag(s) H / sqrt(d)``, random signs ``s`` (seeded) times a Hadamard
    matrix: embeddings ``E <- E Q``, readers ``W <- W Q``, writers ``W <- Q^T W`` and ``b <- Q^T b``. A
    gain-less RMSNorm commutes with ``Q`` (``rms(x Q) = rms(x)``), so the function is unchanged.
@@ -29,9 +33,10 @@ spreads outliers less evenly; :func:`rotate` reports which was used.
 
 Residual rotation is implemented for the ``pre_ln`` spec (LayerNorm, RMSNorm, single-scale RMSNorm, gain-less
 RMSNorm, no norm; biases; tied or untied heads; learned or rotary positions; QK-norm acts per head on ``wq`` /
-``wk`` outputs and is unaffected). Other specs get only step 5: OP's Outlier Protected block scales the residual
-stream elementwise between its sub-layers and nGPT / anGPT interpolate the stream with per-channel rates, which do
-not commute with a rotation; folding those is not attempted here.
+``wk`` outputs and is unaffected) and the ``op`` spec with every block but ``post_ln`` (the OP block reads and adds
+to the stream without norms; its Pre-Norm baselines are Pre-Norm blocks). Not for ``post_ln`` (its norms, gains
+included, sit on the stream itself) nor nGPT / anGPT (they interpolate the normalised stream with per-channel
+rates): those get only step 5, and the report says so.
 """
 
 from __future__ import annotations
@@ -156,20 +161,52 @@ def kv_rotations(model: nn.Module, seed: int) -> dict[Attention, torch.Tensor]:
             for m in model.modules() if isinstance(m, Attention)}
 
 
+class CenteredRMSNorm(nn.Module):
+    """A gain-less LayerNorm in a rotated basis: removes the component along ``u`` (the image of the all-ones
+    direction under the rotation, unit length), then divides by the RMS. With ``y = x Q`` and ``u = 1 Q / sqrt(d)``
+    it gives ``LayerNorm(x) Q`` exactly (gain and bias folded into the readers); used where the residual stream
+    cannot be made zero-mean because something reads it without a LayerNorm."""
+
+    is_norm = True
+
+    def __init__(self, u: torch.Tensor, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("u", u)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        u = self.u.to(xf.dtype)
+        xc = xf - (xf @ u)[..., None] * u
+        return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+def _residual_rotation_refusal(model: nn.Module) -> str | None:
+    """Why the residual stream of ``model`` cannot be rotated exactly (None when it can)."""
+    from outlier_titan.models.op import OPTransformer
+    from outlier_titan.models.pre_ln import PreLNTransformer
+
+    if isinstance(model, PreLNTransformer):
+        return None
+    if isinstance(model, OPTransformer):
+        if model.args.block == "post_ln":
+            return ("the post_ln block normalises the residual stream itself (a per-channel gain on the stream, "
+                    "which does not commute with a rotation)")
+        return None
+    return (f"{type(model).__name__} is not rotated (nGPT / anGPT interpolate the normalised stream with "
+            f"per-channel rates, which do not commute with a rotation)")
+
+
 @torch.no_grad()
 def rotate(model: nn.Module, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """A rotated copy of ``model`` (see the module docstring) and a description of what was applied."""
-    from outlier_titan.models.pre_ln import PreLNTransformer
-
     rot = copy.deepcopy(model)
     info: dict[str, Any] = {}
-    if isinstance(rot, PreLNTransformer):
-        info["residual_rotation"] = _rotate_pre_ln(rot, seed)
+    refusal = _residual_rotation_refusal(rot)
+    if refusal is None:
+        info["residual_rotation"] = _rotate_stream(rot, seed)
     else:
-        info["residual_rotation"] = (
-            f"not applied to {type(model).__name__}: implemented for pre_ln only (OP scales the residual stream "
-            f"elementwise, nGPT / anGPT interpolate it per channel; neither commutes with a rotation); only the "
-            f"online Hadamards, which are exact, are applied")
+        info["residual_rotation"] = f"not applied: {refusal}; only the online Hadamards, which are exact, are applied"
     info["online"] = _online_hadamards(rot, seed)
     return rot, info
 
@@ -179,7 +216,28 @@ def _gate(att: nn.Module) -> list[nn.Linear]:
     return [att.wg] if getattr(att, "wg", None) is not None else []
 
 
-def _rotate_pre_ln(m: nn.Module, seed: int) -> str:
+def _fold_branch_scales(blocks: list[nn.Module]) -> bool:
+    """Folds OP's per-channel residual scales (LayerScale, ``residual_scale_mode = "vector"``) into the writer
+    before them, ``W <- diag(s) W``, ``b <- s b``; scalar scales commute with a rotation and stay. True when one
+    was folded."""
+    folded = False
+    for b in blocks:
+        for scale_name, lin in (("attn_scale", b.attention.wo), ("mlp_scale", b.feed_forward.w2)):
+            scale = getattr(b, scale_name, None)
+            if scale is None or scale.weight is None or scale.weight.numel() == 1:
+                continue
+            s = scale.weight.double()
+            _set(lin.weight, s[:, None] * lin.weight.double())
+            if lin.bias is not None:
+                _set(lin.bias, s * lin.bias.double())
+            setattr(b, scale_name, None)
+            folded = True
+    return folded
+
+
+def _rotate_stream(m: nn.Module, seed: int) -> str:
+    """Steps 1-4 on a model whose residual stream is only added to and read (``pre_ln``; ``op`` with any block
+    but ``post_ln``)."""
     dim = m.args.dim
     dev = m.tok_embeddings.weight.device
     notes = []
@@ -191,9 +249,19 @@ def _rotate_pre_ln(m: nn.Module, seed: int) -> str:
     if fold_embed_proj(m):  # Park et al. 2025's projections: folded as export does
         notes.append("embedding projections folded into the embedding and the head")
     blocks = list(m.layers.values())
+    if _fold_branch_scales(blocks):
+        notes.append("per-channel residual scales folded into wo / w2")
     embeds = [e for e in (m.tok_embeddings, m.pos_embeddings) if e is not None]
     writers = [lin for b in blocks for lin in (b.attention.wo, b.feed_forward.w2)]
-    if isinstance(m.norm, LayerNorm):
+    # (norm or None, the linears reading its output) for every read of the residual stream
+    reads = [(b.attention_norm, [b.attention.wq, b.attention.wk, b.attention.wv] + _gate(b.attention))
+             for b in blocks]
+    reads += [(b.ffn_norm, [lin for lin in (b.feed_forward.w1, b.feed_forward.w3) if lin is not None])
+              for b in blocks]
+    reads.append((m.norm, [m.output]))
+    layer_norms = [n for n, _ in reads if isinstance(n, LayerNorm)]
+    zero_mean = bool(layer_norms) and len(layer_norms) == len(reads)
+    if zero_mean:  # QuaRot's way: every read is a LayerNorm, so the stream may be made zero-mean
         for e in embeds:
             w = e.weight.double()
             _set(e.weight, w - w.mean(1, keepdim=True))
@@ -203,20 +271,23 @@ def _rotate_pre_ln(m: nn.Module, seed: int) -> str:
             if lin.bias is not None:
                 _set(lin.bias, lin.bias.double() - lin.bias.double().mean())
         notes.append("LayerNorm: residual writes mean-subtracted, norms as RMSNorm")
-    for b in blocks:
-        att, ff = b.attention, b.feed_forward
-        b.attention_norm = _fold_norm(b.attention_norm, [att.wq, att.wk, att.wv] + _gate(att))
-        b.ffn_norm = _fold_norm(b.ffn_norm, [ff.w1] + ([ff.w3] if ff.w3 is not None else []))
-    m.norm = _fold_norm(m.norm, [m.output])
     q, kind = orthogonal(dim, seed, randomise=True)
     q = q.to(dev)
+    u = (torch.ones(dim, dtype=torch.float64, device=dev) @ q / math.sqrt(dim)).to(m.tok_embeddings.weight.dtype)
+    folded = [_fold_norm(norm, readers) if norm is not None else None for norm, readers in reads]
+    if layer_norms and not zero_mean:
+        folded = [CenteredRMSNorm(u, n.eps) if isinstance(n, LayerNorm) else f
+                  for (n, _), f in zip(reads, folded)]
+        notes.append("LayerNorm: read as a centred RMSNorm in the rotated basis (the stream is also read without "
+                     "a LayerNorm, so it cannot be made zero-mean)")
+    for b, f_att, f_ffn in zip(blocks, folded[:len(blocks)], folded[len(blocks):2 * len(blocks)]):
+        b.attention_norm, b.ffn_norm = f_att, f_ffn
+    m.norm = folded[-1]
     for e in embeds:
         _set(e.weight, e.weight.double() @ q)
-    readers = [m.output] + [lin for b in blocks for lin in (b.attention.wq, b.attention.wk, b.attention.wv,
-                                                            *_gate(b.attention), b.feed_forward.w1,
-                                                            b.feed_forward.w3) if lin is not None]
-    for lin in readers:
-        _set(lin.weight, lin.weight.double() @ q)
+    for _, readers in reads:
+        for lin in readers:
+            _set(lin.weight, lin.weight.double() @ q)
     for lin in writers:
         _set(lin.weight, q.t() @ lin.weight.double())
         if lin.bias is not None:

@@ -806,7 +806,7 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
                      + " | ".join(cells) + " |")
     lines += ["", "Ours: PPL is `scripts/evaluate.py`'s full-precision perplexity; probe metrics are the last "
               "probe step of training (mean over blocks); Δppl are `scripts/evaluate.py`'s schemes.", ""]
-    lines += ptq_table(groups, info)
+    lines += ptq_table(groups, info, rows)
     lines += ["",
               "## Trajectories", ""]
     for p in figs:
@@ -886,10 +886,11 @@ def tile_study_section(groups: list[dict[str, Any]], info: SuiteInfo, fig_dir: P
     return lines + ["", "![tile study](figures/tile_study.png)", ""]
 
 
-def ptq_table(groups: list[dict[str, Any]], info: SuiteInfo) -> list[str]:
+def ptq_table(groups: list[dict[str, Any]], info: SuiteInfo, rows: list[dict[str, Any]] = ()) -> list[str]:
     """Markdown: per setting and scheme, Δppl as mean ± sd over training seeds, and the calibration spread (the
     mean over training seeds of the PPL's sd over calibration seeds) where the scheme is calibrated or rotated.
-    The paper's own schemes come first; the added 4-bit ones are marked."""
+    The paper's own schemes come first; the added 4-bit ones are marked. Below it, what the rotated schemes did to
+    the residual stream of each setting (from the points' evaluation reports, ``rows``)."""
     schemes = info.all_schemes
     names = [s if s in info.schemes else f"{s} (added)" for s in schemes]
     head = ["## Quantisation: Δppl over training seeds (calibration spread)", ""]
@@ -904,7 +905,15 @@ def ptq_table(groups: list[dict[str, Any]], info: SuiteInfo) -> list[str]:
             d, c = g.get(f"ptq_delta_ppl_{scheme}"), g.get(f"ptq_calib_sd_{scheme}")
             cells.append(fmt(d) + (f" (calib. sd {c.mean:.2g})" if isinstance(c, Estimate) else ""))
         body.append(f"| {g['point']} | {fmt(g.get('ppl'))} | " + " | ".join(cells) + " |")
-    return head + body + [""]
+    rotations: dict[str, list[str]] = {}
+    for g in groups:
+        for text in dict.fromkeys(r["ptq_rotation"] for r in rows if r["point"] in g["points"]
+                                  and r.get("ptq_rotation")):
+            rotations.setdefault(text, []).append(g["point"])
+    notes = [""] if rotations else []
+    for text, settings in rotations.items():
+        notes.append(f"Rotated schemes (`_hadamard`) on {', '.join(settings)}: {text}.")
+    return head + body + notes + [""]
 
 
 def tile_grid_section(manifest: dict[str, Any]) -> list[str]:

@@ -90,6 +90,8 @@ def point_row(sweep_dir: Path, entry: dict[str, Any], axes: list[str]) -> dict[s
         row["eval_osp_kurtosis"] = _num(osp["osp_kurtosis"])
     for e in (report or {}).get("schemes", []):
         row[f"ptq_delta_ppl_{e['scheme']}"] = _num(e.get("delta"))
+        if "rotation" in e and "ptq_rotation" not in row:  # what a rotated (_hadamard) scheme did to this model
+            row["ptq_rotation"] = e["rotation"].get("residual_rotation")
         if len(e.get("ppl_runs", [])) > 1:  # calibrated schemes: the spread over calibration seeds
             row[f"ptq_calib_sd_{e['scheme']}"] = _num(e.get("ppl_std"))
     return row
