@@ -180,3 +180,24 @@ def test_evaluate_script_on_a_real_fsdp_checkpoint(tmp_path, capsys):
     assert (run.run_dir / "eval" / "step-3.attention_map.png").is_file()
     assert (run.run_dir / "eval" / "step-3.hidden_magnitude.png").is_file()
     assert "w8a8_static (calibration seed 1)" in out.err
+
+    # --update: re-run some schemes into that report, keeping the others; refused on other settings
+    before = report
+    rc = ev.main(["--checkpoint", str(run.run_dir), "--tokens", "200", "--batch-size", "4", "--calib-batches", "2",
+                  "--calib-seeds", "2", "--schemes", "w4a4kv4_rtn_hadamard,int8_fine", "--device", "cpu", "--update"])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((run.run_dir / "eval" / "step-3.json").read_text())
+    assert [e["scheme"] for e in report["schemes"]] == ["int8_fine", "int4_zeropoint", "w8a8_static",
+                                                        "w4a4kv4_rtn_hadamard"]
+    assert report["schemes"][:3] == before["schemes"]  # int8_fine is deterministic: re-run to the same numbers
+    assert report["updated"][0]["schemes"] == ["w4a4kv4_rtn_hadamard", "int8_fine"]
+    assert "| w4a4kv4_rtn_hadamard |" in (run.run_dir / "eval" / "step-3.md").read_text()
+    capsys.readouterr()
+    assert ev.main(["--checkpoint", str(run.run_dir), "--tokens", "100", "--batch-size", "4", "--calib-batches",
+                    "2", "--calib-seeds", "2", "--schemes", "int8_fine", "--device", "cpu", "--update"]) == 2
+    err = capsys.readouterr().err
+    assert "other evaluation settings (tokens 224 -> 128; tokens_requested 200 -> 100)" in err and "int8_fine" not in err
+    assert ev.main(["--checkpoint", str(run.run_dir), "--schemes", "int8_fine", "--device", "cpu", "--update",
+                    "--out", str(tmp_path / "none.json")]) == 2
+    assert "no report at" in capsys.readouterr().err
+    assert json.loads((run.run_dir / "eval" / "step-3.json").read_text()) == report  # refusals change nothing

@@ -10,7 +10,8 @@ built at world size 1 and loaded from a DCP checkpoint of any world size.
 
 Writes ``FILE`` (JSON; default ``<run>/eval/step-<N>.json``), the markdown table next to it (``.md``) and the
 probe pictures (``.<name>.png``: the attention map on a fixed log scale, the hidden-state magnitudes with their
-colour range; the same labelled pictures as TensorBoard's), and prints the table.
+colour range; the same labelled pictures as TensorBoard's), and prints the table. ``--update --schemes S`` re-runs
+only the schemes ``S`` into an existing report (same model and evaluation settings, checked), keeping the others.
 
 Schemes: int8_fine, int8_fine_token, int8_moderate, int8_coarse (Kaul et al. 2024 absmax int8), int4_zeropoint (seed
 000), w8a8_static (He et al. 2024: calibrated on ``--calib-batches`` training batches per seed, ``--calib-seeds``
@@ -28,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -61,7 +64,32 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="validation sequences for the probe metrics (default: observe.batch_size x 4)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: cuda when available, else cpu")
+    p.add_argument("--update", action="store_true",
+                   help="re-evaluate only --schemes into the existing report at --out (default path), keeping its "
+                        "other schemes: for a scheme added or changed since; refused when that report was made "
+                        "with other evaluation settings or on another model")
     return p.parse_args(argv)
+
+
+def check_update(old: dict, settings: dict, where: Path) -> None:
+    """Refuses ``--update`` of a report made with other evaluation settings (before any evaluation runs)."""
+    if diff := [f"{k} {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v]:
+        raise UserError(f"--update: the report at {where} was made with other evaluation settings ("
+                        f"{'; '.join(diff)}); rerun with the same --tokens / --seq-len / --calib-* or without --update")
+
+
+def merge_update(old: dict, new: dict, schemes: list[str], where: Path) -> dict:
+    """``old`` with the scheme rows of ``new`` put in (a scheme already there is replaced in place), after
+    checking that both scored the same model (the full-precision PPL); the report's ``updated`` list records
+    which schemes were re-evaluated and when."""
+    fp_old, fp_new = old["full_precision"]["ppl"], new["full_precision"]["ppl"]
+    if not math.isclose(fp_old, fp_new, rel_tol=1e-6):
+        raise UserError(f"--update: full-precision PPL {fp_new:.6g} differs from the report's {fp_old:.6g} at "
+                        f"{where}: another model or data; write a new report (--out) instead")
+    rows = {e["scheme"]: e for e in new["schemes"]}
+    merged = [rows.pop(e["scheme"], e) for e in old["schemes"]] + list(rows.values())
+    stamp = {"schemes": schemes, "at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {**old, "schemes": merged, "updated": [*old.get("updated", []), stamp]}
 
 
 def _loader_fn():
@@ -126,15 +154,25 @@ def run(args: argparse.Namespace) -> int:
                 break
         return batches
 
+    calibration = {"batches": args.calib_batches, "seeds": args.calib_seeds, "split": "train"}
+    out = Path(args.out) if args.out else default_out
+    previous = None
+    if args.update:
+        if not out.is_file():
+            raise UserError(f"--update: no report at {out} to update; run without --update (or name it with --out)")
+        previous = json.loads(out.read_text())
+        check_update(previous, {"tokens": sum(labels.numel() for _, labels in eval_batches), "seq_len": seq_len,
+                                "tokens_requested": args.tokens, "calibration": calibration}, out)
     report, images = evaluate_model(model, eval_batches=eval_batches, probe_tokens=probe_tokens,
                                     calib_batches=calib, schemes=schemes, calib_seeds=range(args.calib_seeds),
                                     device=device)
     report = {"checkpoint": str(ckpt), "run": str(run_dir), **report, "tokens_requested": args.tokens,
-              "calibration": {"batches": args.calib_batches, "seeds": args.calib_seeds, "split": "train"}}
+              "calibration": calibration}
     m = re.match(r"step-(\d+)$", ckpt.name)
     if m:
         report["step"] = int(m.group(1))
-    out = Path(args.out) if args.out else default_out
+    if previous is not None:
+        report = merge_update(previous, report, schemes, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)
