@@ -725,6 +725,22 @@ def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
             + (f"; {missing} point{'s' * (missing != 1)} without a record" if missing else "") + "." + took)
 
 
+def evaluation_updates(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
+    """The report's sentence on schemes re-run into the points' evaluation reports after the evaluation
+    (``scripts/evaluate.py --update``: the ``updated`` list of each report), or ""."""
+    from outlier_titan.study.results import newest_eval
+
+    runs: dict[tuple[str, ...], list[str]] = {}  # schemes re-run together -> the dates, one per point
+    for r in rows:
+        for u in (newest_eval(point_dir(sweep_dir, r["point"])) or {}).get("updated", []):
+            runs.setdefault(tuple(u["schemes"]), []).append(u["at"][:10])
+    parts = [f"{', '.join(schemes)} on {len(dates)} point{'s' * (len(dates) != 1)} "
+             f"({min(dates)}{' to ' + max(dates) if max(dates) != min(dates) else ''})"
+             for schemes, dates in runs.items()]
+    return (" Re-run into the evaluation reports afterwards (`scripts/evaluate.py --update`, at the code of that "
+            "date): " + "; ".join(parts) + ".") if parts else ""
+
+
 def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: dict[str, Any],
                  columns: list[str], rows: list[dict[str, Any]], eval_failed: list[str]) -> Path:
     """``out/report.md`` with figures under ``out/figures`` and each point's logs under ``out/runs``."""
@@ -759,7 +775,7 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
              f"Paper: {info.citation}. Suite file: `train_configs/suites/{suite}/{scale}.toml`; sweep folder: "
              f"`{sweep_dir}`. Written {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC by "
              f"`python scripts/reproduce.py --suite {suite} --scale {scale}` at code {code_version()}; "
-             f"{trained_by(sweep_dir, rows)}", "",
+             f"{trained_by(sweep_dir, rows)}{evaluation_updates(sweep_dir, rows)}", "",
              f"{done} of {len(rows)} points finished: {len(groups)} settings × training seeds {seeds}. Every number "
              f"of ours is the mean ± sd over those seeds (per-seed values in the appendix); verdicts are decided "
              f"from intervals over the seeds, and the test is named beside each. Our numbers come from "
