@@ -107,3 +107,16 @@ def test_every_suite_adds_the_4bit_rows_marked_as_added():
     lines = ptq_table([group, other], info, rows)
     assert lines[-3:] == ["Rotated schemes (`_hadamard`) on op_soap: residual stream: randomised Hadamard 256.",
                           "Rotated schemes (`_hadamard`) on post_ln: not applied: the post_ln block ....", ""]
+
+
+def test_an_unfinished_point_counts_in_no_number():
+    """An in-progress report (some points still running or interrupted) averages the finished points only."""
+    from outlier_titan.study.reproduce import aggregate
+
+    rows = [{"point": "a_s0", "status": "done", "seed": 0, "a": 1, "loss": 4.0},
+            {"point": "a_s1", "status": "done", "seed": 1, "a": 1, "loss": 5.0},
+            {"point": "a_s2", "status": "running", "seed": 2, "a": 1, "loss": 9.0},  # a partial run
+            {"point": "b_s0", "status": "interrupted", "seed": 0, "a": 2, "loss": 7.0}]
+    groups = aggregate(rows, ["a", "seed"])
+    assert [g["points"] for g in groups] == [["a_s0", "a_s1"]]
+    assert groups[0]["loss"].mean == 4.5 and groups[0]["loss"].values == (4.0, 5.0)

@@ -272,9 +272,12 @@ def ours(suite: str, rows: list[dict[str, Any]], sweep_dir: Path, manifest: dict
 
 def aggregate(rows: list[dict[str, Any]], axes: list[str]) -> list[dict[str, Any]]:
     """One group per setting (the axes without ``seed``), in manifest order: its axis values, ``points`` and
-    ``seeds`` (lists, in seed order), and every numeric metric of its rows as an :class:`Estimate` over seeds."""
+    ``seeds`` (lists, in seed order), and every numeric metric of its rows as an :class:`Estimate` over seeds.
+    A point not finished (``status`` other than ``done``: still running, interrupted) is left out, so that an
+    in-progress report never averages a partial run."""
     keys = [a for a in axes if a != "seed"]
     groups: dict[tuple, dict[str, Any]] = {}
+    rows = [r for r in rows if r.get("status", "done") == "done"]
     for r in sorted(rows, key=lambda r: (r.get("seed") is None, r.get("seed") or 0)):
         g = groups.setdefault(tuple(repr(r.get(a)) for a in keys),
                               {**{a: r.get(a) for a in keys}, "points": [], "seeds": [], "_rows": []})
@@ -769,7 +772,7 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
             shutil.copy2(f, dst / f.name)
     figs = trajectory_figures(sweep_dir, rows, info, fig_dir, manifest["axes"])
     groups = aggregate(rows, manifest["axes"])
-    seeds = sorted({r.get("seed") for r in rows if r.get("seed") is not None})
+    seeds = sorted({r.get("seed") for r in rows if r.get("seed") is not None and r["status"] == "done"})
     done = sum(r["status"] == "done" for r in rows)
     lines = [f"# {info.title} — {scale} scale", "",
              f"Paper: {info.citation}. Suite file: `train_configs/suites/{suite}/{scale}.toml`; sweep folder: "
@@ -777,7 +780,7 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
              f"`python scripts/reproduce.py --suite {suite} --scale {scale}` at code {code_version()}; "
              f"{trained_by(sweep_dir, rows)}{evaluation_updates(sweep_dir, rows)}", "",
              f"{done} of {len(rows)} points finished: {len(groups)} settings × training seeds {seeds}. Every number "
-             f"of ours is the mean ± sd over those seeds (per-seed values in the appendix); verdicts are decided "
+             f"of ours is the mean ± sd over the finished points' seeds (per-seed values in the appendix); verdicts are decided "
              f"from intervals over the seeds, and the test is named beside each. Our numbers come from "
              f"`results.csv` (collected from the run folders; copies of each point's `metrics.jsonl` and "
              f"evaluation report are under `runs/`). The papers' models are far larger and trained far longer than "
