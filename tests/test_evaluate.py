@@ -183,6 +183,7 @@ def test_evaluate_script_on_a_real_fsdp_checkpoint(tmp_path, capsys):
 
     # --update: re-run some schemes into that report, keeping the others; refused on other settings
     before = report
+    picture = (run.run_dir / "eval" / "step-3.attention_map.png").stat().st_mtime_ns
     rc = ev.main(["--checkpoint", str(run.run_dir), "--tokens", "200", "--batch-size", "4", "--calib-batches", "2",
                   "--calib-seeds", "2", "--schemes", "w4a4kv4_rtn_hadamard,int8_fine", "--device", "cpu", "--update"])
     assert rc == 0, capsys.readouterr().err
@@ -191,6 +192,9 @@ def test_evaluate_script_on_a_real_fsdp_checkpoint(tmp_path, capsys):
                                                         "w4a4kv4_rtn_hadamard"]
     assert report["schemes"][:3] == before["schemes"]  # int8_fine is deterministic: re-run to the same numbers
     assert report["updated"][0]["schemes"] == ["w4a4kv4_rtn_hadamard", "int8_fine"]
+    # the probe is not re-run: its numbers and pictures stay the first evaluation's
+    assert report["probe"] == before["probe"] and report["osp_kurtosis"] == before["osp_kurtosis"]
+    assert (run.run_dir / "eval" / "step-3.attention_map.png").stat().st_mtime_ns == picture
     assert "| w4a4kv4_rtn_hadamard |" in (run.run_dir / "eval" / "step-3.md").read_text()
     capsys.readouterr()
     assert ev.main(["--checkpoint", str(run.run_dir), "--tokens", "100", "--batch-size", "4", "--calib-batches",

@@ -11,6 +11,7 @@ import pytest
 from outlier_titan import __version__, provenance
 from outlier_titan.study.papers import FOUR_BIT_SCHEMES, SUITE_INFO
 from outlier_titan.study.reproduce import _evaluated, evaluation_updates, ptq_table, trained_by
+from outlier_titan.study.results import collect
 from outlier_titan.study.stats import estimate
 
 
@@ -54,19 +55,26 @@ def test_report_states_the_code_of_each_finished_point(tmp_path):
 
 
 def test_report_states_the_schemes_re_run_into_the_evaluation_reports(tmp_path):
-    """scripts/evaluate.py --update leaves an ``updated`` list in a point's newest evaluation report."""
-    rows = [{"point": n, "status": "done"} for n in ("a_s0", "a_s1", "a_s2")]
-    assert evaluation_updates(tmp_path, rows) == ""
+    """scripts/evaluate.py --update leaves an ``updated`` list in a point's newest evaluation report; the row
+    collected from the point carries it and the report's header names it."""
+    names = ("a_s0", "a_s1", "a_s2")
+    manifest = {"axes": {"seed": [0, 1, 2]}, "points": [
+        {"name": n, "axes": {"seed": i}, "config": "", "params": 1, "flops_per_token": 1, "tokens": 1, "flops": 1}
+        for i, n in enumerate(names)]}
+    (tmp_path / "points").mkdir()
+    assert evaluation_updates(collect(tmp_path, manifest)[1]) == ""
     stamps = {"a_s0": [{"schemes": ["w4a4kv4_rtn_hadamard"], "at": "2026-11-27 22:40:00"}],
               "a_s1": [{"schemes": ["w4a4kv4_rtn_hadamard"], "at": "2026-11-28 00:10:00"},
                        {"schemes": ["int8_fine", "w8a8_static"], "at": "2026-11-29 09:00:00"}]}
-    for name in ("a_s0", "a_s1", "a_s2"):
+    for name in names:
         (tmp_path / "points" / name / "eval").mkdir(parents=True)
         report = {"step": 10, "schemes": [], **({"updated": stamps[name]} if name in stamps else {})}
         (tmp_path / "points" / name / "eval" / "step-10.json").write_text(json.dumps(report))
     (tmp_path / "points" / "a_s2" / "eval" / "step-5.json").write_text(json.dumps(  # older: not the one reported
         {"step": 5, "schemes": [], "updated": stamps["a_s0"]}))
-    assert evaluation_updates(tmp_path, rows) == (
+    columns, rows = collect(tmp_path, manifest)
+    assert "eval_updated" not in columns  # a stamp, not a column of results.csv
+    assert evaluation_updates(rows) == (
         " Re-run into the evaluation reports afterwards (`scripts/evaluate.py --update`, at the code of that date): "
         "w4a4kv4_rtn_hadamard on 2 points (2026-11-27 to 2026-11-28); int8_fine, w8a8_static on 1 point "
         "(2026-11-29).")

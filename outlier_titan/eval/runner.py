@@ -24,14 +24,15 @@ from outlier_titan.quant.ptq import SCHEMES, check_schemes, get_scheme, quantize
 def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, torch.Tensor]],
                    probe_tokens: Sequence[torch.Tensor], calib_batches: Callable[[int], list[torch.Tensor]],
                    schemes: Sequence[str] | None = None, calib_seeds: Sequence[int] = (0, 1, 2),
-                   device: torch.device | str = "cpu", stream: TextIO | None = None,
+                   device: torch.device | str = "cpu", stream: TextIO | None = None, probe: bool = True,
                    ) -> tuple[dict, dict[str, np.ndarray]]:
     """The report dict (see :mod:`outlier_titan.eval.report`) and the probe pictures; ``schemes``: registered
     scheme names (None: every registered one).
 
     ``calib_batches(seed)`` gives the calibration token batches of static and GPTQ schemes; each such scheme, and
     each rotated scheme (its random signs), is run once per seed in ``calib_seeds`` and reported as mean ± std
-    (He et al. 2024's protocol uses 3 seeds).
+    (He et al. 2024's protocol uses 3 seeds). ``probe=False`` leaves out the probe metrics, Park et al.'s kurtosis
+    and the pictures (``scripts/evaluate.py --update`` keeps the existing report's).
     """
     schemes = check_schemes(SCHEMES if schemes is None else schemes, "quantisation scheme(s)")
     model.eval()
@@ -42,7 +43,7 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
               dynamic_ncols=True) as bar:
         fp = perplexity(model, eval_batches, device, bar)
         probe_scalars, images = OutlierProbe(model, Observe(mode="full", kurtosis_centered=True)).measure(
-            [t.to(device) for t in probe_tokens])
+            [t.to(device) for t in probe_tokens]) if probe else ({}, {})
         entries = []
         for name in schemes:
             scheme = get_scheme(name)
@@ -63,8 +64,9 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
         "seq_len": int(eval_batches[0][0].shape[1]),
         "full_precision": {"ppl": fp.ppl, "loss": fp.loss},
         "schemes": entries,
-        "probe": probe_scalars,
-        # Park et al. 2025's excess kurtosis as their released script computes it (each probe token alone)
-        "osp_kurtosis": osp_excess_kurtosis(model, [t.to(device) for t in probe_tokens]),
     }
+    if probe:
+        report["probe"] = probe_scalars
+        # Park et al. 2025's excess kurtosis as their released script computes it (each probe token alone)
+        report["osp_kurtosis"] = osp_excess_kurtosis(model, [t.to(device) for t in probe_tokens])
     return report, images

@@ -113,9 +113,10 @@ def _add_bias(lin: nn.Linear, extra: torch.Tensor) -> None:
     _set(lin.bias, lin.bias.double() + extra)
 
 
-def _fold_norm(norm: nn.Module, readers: list[nn.Linear]) -> nn.Module:
-    """Folds a norm's gain (and LayerNorm bias) into the linears reading it; returns the gain-less RMSNorm (or
-    the norm itself when it is an identity)."""
+def _fold_norm(norm: nn.Module, readers: list[nn.Linear], centre: torch.Tensor | None = None) -> nn.Module:
+    """Folds a norm's gain (and LayerNorm bias) into the linears reading it; returns the gain-less norm that
+    stays: an RMSNorm, a :class:`CenteredRMSNorm` about ``centre`` for a LayerNorm when ``centre`` is given (the
+    stream is not zero-mean), or the norm itself when it is an identity."""
     if isinstance(norm, nn.Identity):
         return norm
     if isinstance(norm, LayerNorm):
@@ -132,9 +133,9 @@ def _fold_norm(norm: nn.Module, readers: list[nn.Linear]) -> nn.Module:
             _add_bias(lin, w @ beta.double())
         if gain is not None:
             _set(lin.weight, w * gain.double())
-    dim = readers[0].in_features
-    out = RMSNorm(dim, norm.eps, "none")
-    return out.to(readers[0].weight.device)
+    if centre is not None and isinstance(norm, LayerNorm):
+        return CenteredRMSNorm(centre, norm.eps)
+    return RMSNorm(readers[0].in_features, norm.eps, "none").to(readers[0].weight.device)
 
 
 def _online_hadamards(model: nn.Module, seed: int) -> list[str]:
@@ -274,10 +275,9 @@ def _rotate_stream(m: nn.Module, seed: int) -> str:
     q, kind = orthogonal(dim, seed, randomise=True)
     q = q.to(dev)
     u = (torch.ones(dim, dtype=torch.float64, device=dev) @ q / math.sqrt(dim)).to(m.tok_embeddings.weight.dtype)
-    folded = [_fold_norm(norm, readers) if norm is not None else None for norm, readers in reads]
-    if layer_norms and not zero_mean:
-        folded = [CenteredRMSNorm(u, n.eps) if isinstance(n, LayerNorm) else f
-                  for (n, _), f in zip(reads, folded)]
+    centre = u if layer_norms and not zero_mean else None
+    folded = [_fold_norm(norm, readers, centre) if norm is not None else None for norm, readers in reads]
+    if centre is not None:
         notes.append("LayerNorm: read as a centred RMSNorm in the rotated basis (the stream is also read without "
                      "a LayerNorm, so it cannot be made zero-mean)")
     for b, f_att, f_ffn in zip(blocks, folded[:len(blocks)], folded[len(blocks):2 * len(blocks)]):

@@ -728,14 +728,12 @@ def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
             + (f"; {missing} point{'s' * (missing != 1)} without a record" if missing else "") + "." + took)
 
 
-def evaluation_updates(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
+def evaluation_updates(rows: list[dict[str, Any]]) -> str:
     """The report's sentence on schemes re-run into the points' evaluation reports after the evaluation
-    (``scripts/evaluate.py --update``: the ``updated`` list of each report), or ""."""
-    from outlier_titan.study.results import newest_eval
-
+    (``scripts/evaluate.py --update``: the ``eval_updated`` stamps :func:`results.point_row` carries), or ""."""
     runs: dict[tuple[str, ...], list[str]] = {}  # schemes re-run together -> the dates, one per point
     for r in rows:
-        for u in (newest_eval(point_dir(sweep_dir, r["point"])) or {}).get("updated", []):
+        for u in r.get("eval_updated") or []:
             runs.setdefault(tuple(u["schemes"]), []).append(u["at"][:10])
     parts = [f"{', '.join(schemes)} on {len(dates)} point{'s' * (len(dates) != 1)} "
              f"({min(dates)}{' to ' + max(dates) if max(dates) != min(dates) else ''})"
@@ -772,16 +770,16 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
             shutil.copy2(f, dst / f.name)
     figs = trajectory_figures(sweep_dir, rows, info, fig_dir, manifest["axes"])
     groups = aggregate(rows, manifest["axes"])
-    seeds = sorted({r.get("seed") for r in rows if r.get("seed") is not None and r["status"] == "done"})
-    done = sum(r["status"] == "done" for r in rows)
+    seeds = sorted({s for g in groups for s in g["seeds"] if s is not None})
+    done = sum(len(g["points"]) for g in groups)
     lines = [f"# {info.title} — {scale} scale", "",
              f"Paper: {info.citation}. Suite file: `train_configs/suites/{suite}/{scale}.toml`; sweep folder: "
              f"`{sweep_dir}`. Written {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC by "
              f"`python scripts/reproduce.py --suite {suite} --scale {scale}` at code {code_version()}; "
-             f"{trained_by(sweep_dir, rows)}{evaluation_updates(sweep_dir, rows)}", "",
+             f"{trained_by(sweep_dir, rows)}{evaluation_updates(rows)}", "",
              f"{done} of {len(rows)} points finished: {len(groups)} settings × training seeds {seeds}. Every number "
-             f"of ours is the mean ± sd over the finished points' seeds (per-seed values in the appendix); verdicts are decided "
-             f"from intervals over the seeds, and the test is named beside each. Our numbers come from "
+             f"of ours is the mean ± sd over the finished points' seeds (per-seed values in the appendix); "
+             f"verdicts are decided from intervals over the seeds, and the test is named beside each. Our numbers come from "
              f"`results.csv` (collected from the run folders; copies of each point's `metrics.jsonl` and "
              f"evaluation report are under `runs/`). The papers' models are far larger and trained far longer than "
              f"ours, so the comparison is of directions and ratios, not of values.", ""]

@@ -84,10 +84,12 @@ def point_row(sweep_dir: Path, entry: dict[str, Any], axes: list[str]) -> dict[s
         if series:
             row[f"final_{m}"] = series[-1]
             row[f"peak_{m}"] = max(series)
-    report = newest_eval(folder)
+    report = _newest_eval(folder)
     osp = (report or {}).get("osp_kurtosis", {})
     if _num(osp.get("osp_kurtosis")) is not None:  # Park et al. 2025's measure (observe/osp_kurtosis.py)
         row["eval_osp_kurtosis"] = _num(osp["osp_kurtosis"])
+    if (report or {}).get("updated"):  # schemes re-run later with `scripts/evaluate.py --update` (not a column)
+        row["eval_updated"] = report["updated"]
     for e in (report or {}).get("schemes", []):
         row[f"ptq_delta_ppl_{e['scheme']}"] = _num(e.get("delta"))
         if "rotation" in e and "ptq_rotation" not in row:  # what a rotated (_hadamard) scheme did to this model
@@ -97,7 +99,7 @@ def point_row(sweep_dir: Path, entry: dict[str, Any], axes: list[str]) -> dict[s
     return row
 
 
-def newest_eval(folder: Path) -> dict[str, Any] | None:
+def _newest_eval(folder: Path) -> dict[str, Any] | None:
     """The newest ``scripts/evaluate.py`` report of the run (default path ``<run>/eval/step-<N>.json``)."""
     best, best_step = None, -1
     for path in (folder / "eval").glob("step-*.json"):

@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
                                 "tokens_requested": args.tokens, "calibration": calibration}, out)
     report, images = evaluate_model(model, eval_batches=eval_batches, probe_tokens=probe_tokens,
                                     calib_batches=calib, schemes=schemes, calib_seeds=range(args.calib_seeds),
-                                    device=device)
+                                    device=device, probe=previous is None)  # --update keeps the old probe
     report = {"checkpoint": str(ckpt), "run": str(run_dir), **report, "tokens_requested": args.tokens,
               "calibration": calibration}
     m = re.match(r"step-(\d+)$", ckpt.name)
