@@ -18,6 +18,7 @@ from outlier_titan.eval.report import markdown
 from outlier_titan.eval.runner import evaluate_model
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import model_args
+from outlier_titan.provenance import code_version
 from outlier_titan.quant.ptq import SCHEMES
 
 
@@ -120,6 +121,7 @@ def test_evaluate_model_reports_every_scheme():
         assert ("rotation" in e) == SCHEMES[e["scheme"]].rotate, e["scheme"]
     rot = next(e for e in report["schemes"] if e["scheme"] == "w4a4kv4_rtn_hadamard")
     assert rot["head"] == "fp" and "randomised Hadamard 128" in rot["rotation"]["residual_rotation"]
+    assert rot["rotation"]["seeds"] == [0, 1] and "seed" not in rot["rotation"]["residual_rotation"]
     assert "outliers/kurtosis_first" in report["probe"] and "outliers/attention_map" in images
     progress = s.getvalue()  # one tqdm bar over full precision + every scheme run (2 seeds for seeded schemes)
     # (one bar: closed once; its last refresh may repeat at close when the final update was drawn)
@@ -132,6 +134,7 @@ def test_evaluate_model_reports_every_scheme():
     for name in SCHEMES:
         assert f"| {name} |" in table
     assert "| full precision |" in table and " ± " in table and "| kurtosis_first |" in table
+    assert "; rotation seeds 0, 1." in table
 
 
 def test_evaluate_script_user_errors(tmp_path, capsys):
@@ -172,6 +175,7 @@ def test_evaluate_script_on_a_real_fsdp_checkpoint(tmp_path, capsys):
     assert rc == 0, out.err
     report = json.loads((run.run_dir / "eval" / "step-3.json").read_text())
     assert report["step"] == 3 and report["tokens"] == 224 and report["seq_len"] == 32  # 7 rows of 32
+    assert report["code"] == code_version()  # the code that evaluated it
     assert [e["scheme"] for e in report["schemes"]] == ["int8_fine", "int4_zeropoint", "w8a8_static"]
     assert len(report["schemes"][2]["ppl_runs"]) == 2
     assert 1 < report["full_precision"]["ppl"] < tok.vocab_size
@@ -192,6 +196,7 @@ def test_evaluate_script_on_a_real_fsdp_checkpoint(tmp_path, capsys):
                                                         "w4a4kv4_rtn_hadamard"]
     assert report["schemes"][:3] == before["schemes"]  # int8_fine is deterministic: re-run to the same numbers
     assert report["updated"][0]["schemes"] == ["w4a4kv4_rtn_hadamard", "int8_fine"]
+    assert report["updated"][0]["code"] == report["code"] == code_version()
     # the probe is not re-run: its numbers and pictures stay the first evaluation's
     assert report["probe"] == before["probe"] and report["osp_kurtosis"] == before["osp_kurtosis"]
     assert (run.run_dir / "eval" / "step-3.attention_map.png").stat().st_mtime_ns == picture

@@ -10,7 +10,7 @@ import pytest
 
 from outlier_titan import __version__, provenance
 from outlier_titan.study.papers import FOUR_BIT_SCHEMES, SUITE_INFO
-from outlier_titan.study.reproduce import _evaluated, evaluation_updates, ptq_table, trained_by
+from outlier_titan.study.reproduce import _evaluated, evaluated_by, evaluation_updates, ptq_table, trained_by
 from outlier_titan.study.results import collect
 from outlier_titan.study.stats import estimate
 
@@ -65,19 +65,24 @@ def test_report_states_the_schemes_re_run_into_the_evaluation_reports(tmp_path):
     assert evaluation_updates(collect(tmp_path, manifest)[1]) == ""
     stamps = {"a_s0": [{"schemes": ["w4a4kv4_rtn_hadamard"], "at": "2026-11-27 22:40:00"}],
               "a_s1": [{"schemes": ["w4a4kv4_rtn_hadamard"], "at": "2026-11-28 00:10:00"},
-                       {"schemes": ["int8_fine", "w8a8_static"], "at": "2026-11-29 09:00:00"}]}
+                       {"schemes": ["int8_fine", "w8a8_static"], "at": "2026-11-29 09:00:00", "code": "abc"}]}
     for name in names:
         (tmp_path / "points" / name / "eval").mkdir(parents=True)
-        report = {"step": 10, "schemes": [], **({"updated": stamps[name]} if name in stamps else {})}
+        report = {"step": 10, "schemes": [], **({"updated": stamps[name]} if name in stamps else {}),
+                  **({"code": "def"} if name != "a_s2" else {})}
         (tmp_path / "points" / name / "eval" / "step-10.json").write_text(json.dumps(report))
     (tmp_path / "points" / "a_s2" / "eval" / "step-5.json").write_text(json.dumps(  # older: not the one reported
         {"step": 5, "schemes": [], "updated": stamps["a_s0"]}))
     columns, rows = collect(tmp_path, manifest)
     assert "eval_updated" not in columns  # a stamp, not a column of results.csv
     assert evaluation_updates(rows) == (
-        " Re-run into the evaluation reports afterwards (`scripts/evaluate.py --update`, at the code of that date): "
-        "w4a4kv4_rtn_hadamard on 2 points (2026-11-27 to 2026-11-28); int8_fine, w8a8_static on 1 point "
-        "(2026-11-29).")
+        " Re-run into the evaluation reports afterwards (`scripts/evaluate.py --update`): w4a4kv4_rtn_hadamard on "
+        "2 points (2026-11-27 to 2026-11-28, code not recorded); int8_fine, w8a8_static on 1 point (2026-11-29, "
+        "at code abc).")
+    assert evaluated_by([{**r, "status": "done"} for r in rows]) == (
+        " Evaluated at code def (2 points), not recorded for 1 point (evaluated before evaluation reports recorded "
+        "their code, 2026-11-28).")
+    assert evaluated_by(rows) == ""  # not finished (no sweep state here): not counted
 
 
 def test_an_evaluation_missing_a_scheme_runs_again(tmp_path):

@@ -321,6 +321,7 @@ def test_sigterm_then_kill_9_then_rerun_resumes(tmp_path):
     while not _gone(state["pid"]) and time.time() < deadline:
         time.sleep(0.1)
     assert _gone(state["pid"]), "the trainer outlived the killed sweep"
+    lost = (out / "points" / "p1" / "train.log").stat().st_mtime - state["started"]  # the killed attempt's time
     interrupted_at = _checkpoints(ckpts)[-1]
     assert stopped < interrupted_at < 40
     assert cli("status", "out", cwd=tmp_path).stdout.splitlines()[2].split()[:2] == ["p1", "pending"]
@@ -333,6 +334,9 @@ def test_sigterm_then_kill_9_then_rerun_resumes(tmp_path):
     assert (out / "points" / "p0" / "train.log").read_text().count("==== sweep attempt") == 1
     second = json.loads((out / "points" / "p1" / "sweep_state.json").read_text())
     assert second["attempts"] == 3 and second["status"] == "done"
+    # the killed attempt's wall time is counted (up to its last log line), and said to be an estimate
+    assert second["wall_s_estimated"] == pytest.approx(lost, abs=1e-3)
+    assert second["wall_s"] > state["wall_s"] + lost
     log = (out / "points" / "p1" / "train.log").read_text()
     assert f"resumed from {ckpts / f'step-{stopped}'}" in log
     assert f"resumed from {ckpts / f'step-{interrupted_at}'}" in log

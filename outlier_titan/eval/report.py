@@ -44,7 +44,9 @@ def markdown(report: dict[str, Any]) -> str:
     rotated = next((e["rotation"] for e in report["schemes"] if e.get("rotation")), None)
     if rotated:
         lines += ["", f"Rotated schemes (`_hadamard`, QuaRot): {rotated['residual_rotation']}; online: "
-                      f"{', '.join(rotated['online'])}; K and V per head. ± is the spread over calibration seeds "
+                      f"{', '.join(rotated['online'])}; K and V per head"
+                      + (f"; rotation seeds {', '.join(map(str, rotated['seeds']))}" if rotated.get("seeds") else "")
+                      + ". ± is the spread over calibration seeds "
                       f"(GPTQ, static ranges) or rotation seeds (random signs)."]
     probe = report.get("probe") or {}
     rows = [(k, probe[f"outliers/{k}"]) for k in SUMMARY_METRICS if f"outliers/{k}" in probe]

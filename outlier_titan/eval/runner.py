@@ -57,8 +57,8 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
                     ppls.append(perplexity(info["model"], eval_batches, device, bar).ppl)
                 head, rotation = info["head"], info.get("rotation")
             entries.append(scheme_entry(name, scheme.description, head, ppls, fp.ppl))
-            if rotation is not None:
-                entries[-1]["rotation"] = rotation
+            if rotation is not None:  # the same construction at every seed; the seeds are its random signs
+                entries[-1]["rotation"] = {**rotation, "seeds": seeds}
     report = {
         "tokens": fp.tokens,
         "seq_len": int(eval_batches[0][0].shape[1]),

@@ -90,7 +90,8 @@ def hadamard(n: int) -> torch.Tensor | None:
 
 def orthogonal(n: int, seed: int, randomise: bool) -> tuple[torch.Tensor, str]:
     """(matrix, kind): the Hadamard of order n (with random signs on its rows if ``randomise``), or a seeded
-    random orthogonal matrix where no Hadamard of that order is constructed here."""
+    random orthogonal matrix where no Hadamard of that order is constructed here; ``kind`` names no seed (the
+    caller records the seeds it used)."""
     g = torch.Generator().manual_seed(seed)
     h = hadamard(n)
     if h is None:
@@ -100,7 +101,7 @@ def orthogonal(n: int, seed: int, randomise: bool) -> tuple[torch.Tensor, str]:
     if not randomise:
         return h, f"Hadamard {n}"
     signs = torch.randint(0, 2, (n,), generator=g, dtype=torch.float64) * 2 - 1
-    return signs[:, None] * h, f"randomised Hadamard {n} (seed {seed})"
+    return signs[:, None] * h, f"randomised Hadamard {n}"
 
 
 def _set(p: torch.Tensor, value: torch.Tensor) -> None:

@@ -728,18 +728,35 @@ def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
             + (f"; {missing} point{'s' * (missing != 1)} without a record" if missing else "") + "." + took)
 
 
+def evaluated_by(rows: list[dict[str, Any]]) -> str:
+    """The report's sentence on the code that evaluated the finished points (``code`` of each evaluation report,
+    carried as ``eval_code``), or "" when none was evaluated."""
+    evaluated = [r for r in rows if r.get("status") == "done" and "eval_code" in r]
+    codes: dict[str, int] = {}
+    for r in evaluated:
+        if r["eval_code"]:
+            codes[r["eval_code"]] = codes.get(r["eval_code"], 0) + 1
+    missing = len(evaluated) - sum(codes.values())
+    parts = [f"{c} ({n} point{'s' * (n != 1)})" for c, n in codes.items()]
+    if missing:
+        parts.append(f"not recorded for {missing} point{'s' * (missing != 1)} (evaluated before evaluation "
+                     f"reports recorded their code, 2026-11-28)")
+    return f" Evaluated at code {', '.join(parts)}." if parts else ""
+
+
 def evaluation_updates(rows: list[dict[str, Any]]) -> str:
     """The report's sentence on schemes re-run into the points' evaluation reports after the evaluation
     (``scripts/evaluate.py --update``: the ``eval_updated`` stamps :func:`results.point_row` carries), or ""."""
-    runs: dict[tuple[str, ...], list[str]] = {}  # schemes re-run together -> the dates, one per point
+    runs: dict[tuple, list[str]] = {}  # (schemes re-run together, code) -> the dates, one per point
     for r in rows:
         for u in r.get("eval_updated") or []:
-            runs.setdefault(tuple(u["schemes"]), []).append(u["at"][:10])
+            runs.setdefault((tuple(u["schemes"]), u.get("code")), []).append(u["at"][:10])
     parts = [f"{', '.join(schemes)} on {len(dates)} point{'s' * (len(dates) != 1)} "
-             f"({min(dates)}{' to ' + max(dates) if max(dates) != min(dates) else ''})"
-             for schemes, dates in runs.items()]
-    return (" Re-run into the evaluation reports afterwards (`scripts/evaluate.py --update`, at the code of that "
-            "date): " + "; ".join(parts) + ".") if parts else ""
+             f"({min(dates)}{' to ' + max(dates) if max(dates) != min(dates) else ''}, "
+             f"{'at code ' + code if code else 'code not recorded'})"
+             for (schemes, code), dates in runs.items()]
+    return (" Re-run into the evaluation reports afterwards (`scripts/evaluate.py --update`): "
+            + "; ".join(parts) + ".") if parts else ""
 
 
 def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: dict[str, Any],
@@ -776,7 +793,7 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
              f"Paper: {info.citation}. Suite file: `train_configs/suites/{suite}/{scale}.toml`; sweep folder: "
              f"`{sweep_dir}`. Written {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC by "
              f"`python scripts/reproduce.py --suite {suite} --scale {scale}` at code {code_version()}; "
-             f"{trained_by(sweep_dir, rows)}{evaluation_updates(rows)}", "",
+             f"{trained_by(sweep_dir, rows)}{evaluated_by(rows)}{evaluation_updates(rows)}", "",
              f"{done} of {len(rows)} points finished: {len(groups)} settings × training seeds {seeds}. Every number "
              f"of ours is the mean ± sd over the finished points' seeds (per-seed values in the appendix); "
              f"verdicts are decided from intervals over the seeds, and the test is named beside each. Our numbers come from "

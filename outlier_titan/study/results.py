@@ -88,6 +88,8 @@ def point_row(sweep_dir: Path, entry: dict[str, Any], axes: list[str]) -> dict[s
     osp = (report or {}).get("osp_kurtosis", {})
     if _num(osp.get("osp_kurtosis")) is not None:  # Park et al. 2025's measure (observe/osp_kurtosis.py)
         row["eval_osp_kurtosis"] = _num(osp["osp_kurtosis"])
+    if report is not None:  # the code that evaluated the point ("" for a report made before reports recorded it)
+        row["eval_code"] = report.get("code") or ""
     if (report or {}).get("updated"):  # schemes re-run later with `scripts/evaluate.py --update` (not a column)
         row["eval_updated"] = report["updated"]
     for e in (report or {}).get("schemes", []):

@@ -242,6 +242,12 @@ class PointRun:
                 self.state["hparams_written"] = True
         log = folder / LOG
         self.log_offset = log.stat().st_size if log.is_file() else 0
+        if self.primary and self.state.get("status") == "running" and self.state.get("started") and log.is_file():
+            # the last attempt's driver died before recording it (kill -9, a lost node): its wall time is counted
+            # up to the attempt's last log write, and `wall_s_estimated` says how much of wall_s is such an estimate
+            lost = max(0.0, log.stat().st_mtime - self.state["started"])
+            self.state["wall_s"] = self.state.get("wall_s", 0.0) + lost
+            self.state["wall_s_estimated"] = self.state.get("wall_s_estimated", 0.0) + lost
         self.t0 = time.time()
         with log.open("ab") as f:
             f.write(f"==== sweep attempt {self.state.get('attempts', 0) + 1} on {socket.gethostname()} at "

@@ -39,6 +39,7 @@ import torch
 
 from outlier_titan import cli
 from outlier_titan.errors import UserError
+from outlier_titan.provenance import code_version
 from outlier_titan.quant.ptq import SCHEMES, check_schemes, scheme_help
 
 
@@ -81,14 +82,14 @@ def check_update(old: dict, settings: dict, where: Path) -> None:
 def merge_update(old: dict, new: dict, schemes: list[str], where: Path) -> dict:
     """``old`` with the scheme rows of ``new`` put in (a scheme already there is replaced in place), after
     checking that both scored the same model (the full-precision PPL); the report's ``updated`` list records
-    which schemes were re-evaluated and when."""
+    which schemes were re-evaluated, when and at which code (``code`` stays the first evaluation's)."""
     fp_old, fp_new = old["full_precision"]["ppl"], new["full_precision"]["ppl"]
     if not math.isclose(fp_old, fp_new, rel_tol=1e-6):
         raise UserError(f"--update: full-precision PPL {fp_new:.6g} differs from the report's {fp_old:.6g} at "
                         f"{where}: another model or data; write a new report (--out) instead")
     rows = {e["scheme"]: e for e in new["schemes"]}
     merged = [rows.pop(e["scheme"], e) for e in old["schemes"]] + list(rows.values())
-    stamp = {"schemes": schemes, "at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    stamp = {"schemes": schemes, "at": time.strftime("%Y-%m-%d %H:%M:%S"), "code": new.get("code")}
     return {**old, "schemes": merged, "updated": [*old.get("updated", []), stamp]}
 
 
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
                                     calib_batches=calib, schemes=schemes, calib_seeds=range(args.calib_seeds),
                                     device=device, probe=previous is None)  # --update keeps the old probe
     report = {"checkpoint": str(ckpt), "run": str(run_dir), **report, "tokens_requested": args.tokens,
-              "calibration": calibration}
+              "calibration": calibration, "code": code_version()}
     m = re.match(r"step-(\d+)$", ckpt.name)
     if m:
         report["step"] = int(m.group(1))
