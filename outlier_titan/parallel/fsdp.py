@@ -13,6 +13,9 @@ composes as ``_StridedShard`` on the same axis.
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,6 +36,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype, 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     roles = roles_of(model)
     dims = {p: shard_dim_for(n, p, roles) for n, p in model.named_parameters()}
+    own = sorted({type(m).__name__ for m in (model, *model.layers.values())})  # before fully_shard renames them
 
     def placement(p: nn.Parameter) -> Shard:
         return Shard(dims.get(p, 0))
@@ -40,6 +44,14 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype, 
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                     shard_placement_fn=placement)
+    # With TP, the root's logits and the nGPT / anGPT blocks' outputs come out of DTensor.to_local(), a view, and
+    # FSDP2 warns on every rank that an in-place op on such a view would skip the module's pre-backward hook. No
+    # code here changes a block's output or the logits in place (the next block and the loss only read them; the
+    # 1-rank = FSDP = FSDP x TP loss tests of every spec would fail otherwise), so the warning is silenced for this
+    # model's own modules only.
+    names = "|".join(re.escape(f"FSDP{n}") for n in own)
+    warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(({names})\) returned a view tensor",
+                            category=UserWarning)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, shard_placement_fn=placement)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
