@@ -796,8 +796,8 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
              f"{trained_by(sweep_dir, rows)}{evaluated_by(rows)}{evaluation_updates(rows)}", "",
              f"{done} of {len(rows)} points finished: {len(groups)} settings × training seeds {seeds}. Every number "
              f"of ours is the mean ± sd over the finished points' seeds (per-seed values in the appendix); "
-             f"verdicts are decided from intervals over the seeds, and the test is named beside each. Our numbers come from "
-             f"`results.csv` (collected from the run folders; copies of each point's `metrics.jsonl` and "
+             f"verdicts are decided from intervals over the seeds, and the test is named beside each. Our numbers "
+             f"come from `results.csv` (collected from the run folders; copies of each point's `metrics.jsonl` and "
              f"evaluation report are under `runs/`). The papers' models are far larger and trained far longer than "
              f"ours, so the comparison is of directions and ratios, not of values.", ""]
     lines += tile_grid_section(manifest)
