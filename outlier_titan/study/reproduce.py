@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -270,6 +271,12 @@ def ours(suite: str, rows: list[dict[str, Any]], sweep_dir: Path, manifest: dict
                     r["step_time_ratio"] = base["tokens_per_s"] / r["tokens_per_s"]
 
 
+def finished(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of finished points (``status`` done; a row without a status, e.g. a test table, counts as done):
+    a point still running or interrupted counts in no number, sentence or seed list of a report."""
+    return [r for r in rows if r.get("status", "done") == "done"]
+
+
 def aggregate(rows: list[dict[str, Any]], axes: list[str]) -> list[dict[str, Any]]:
     """One group per setting (the axes without ``seed``), in manifest order: its axis values, ``points`` and
     ``seeds`` (lists, in seed order), and every numeric metric of its rows as an :class:`Estimate` over seeds.
@@ -277,7 +284,7 @@ def aggregate(rows: list[dict[str, Any]], axes: list[str]) -> list[dict[str, Any
     in-progress report never averages a partial run."""
     keys = [a for a in axes if a != "seed"]
     groups: dict[tuple, dict[str, Any]] = {}
-    rows = [r for r in rows if r.get("status", "done") == "done"]
+    rows = finished(rows)
     for r in sorted(rows, key=lambda r: (r.get("seed") is None, r.get("seed") or 0)):
         g = groups.setdefault(tuple(repr(r.get(a)) for a in keys),
                               {**{a: r.get(a) for a in keys}, "points": [], "seeds": [], "_rows": []})
@@ -703,9 +710,7 @@ def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
     codes: dict[str, int] = {}
     adopted: dict[str, list[tuple[str, str]]] = {}  # report folder -> (our point, its name there)
     missing = several = 0
-    for r in rows:
-        if r.get("status") != "done":
-            continue
+    for r in finished(rows):
         state = read_state(point_dir(sweep_dir, r["point"]))
         recorded = state.get("code", [])
         missing += not recorded
@@ -731,11 +736,8 @@ def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
 def evaluated_by(rows: list[dict[str, Any]]) -> str:
     """The report's sentence on the code that evaluated the finished points (``code`` of each evaluation report,
     carried as ``eval_code``), or "" when none was evaluated."""
-    evaluated = [r for r in rows if r.get("status") == "done" and "eval_code" in r]
-    codes: dict[str, int] = {}
-    for r in evaluated:
-        if r["eval_code"]:
-            codes[r["eval_code"]] = codes.get(r["eval_code"], 0) + 1
+    evaluated = [r for r in finished(rows) if "eval_code" in r]
+    codes = Counter(r["eval_code"] for r in evaluated if r["eval_code"])
     missing = len(evaluated) - sum(codes.values())
     parts = [f"{c} ({n} point{'s' * (n != 1)})" for c, n in codes.items()]
     if missing:
