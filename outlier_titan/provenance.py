@@ -39,3 +39,13 @@ def code_version() -> str:
         return f"outlier_titan {__version__}"
     dirty = _git("status", "--porcelain", "--untracked-files=no")
     return commit[:12] + ("+dirty" if dirty else "")
+
+
+def runtime_versions() -> dict[str, str]:
+    """The interpreter's and torch's versions (the embedded corpus *is* the interpreter's standard library, so
+    the Python version names the training data too)."""
+    import platform
+
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__}

@@ -30,7 +30,38 @@ def test_sink_rate_by_hand_and_through_sums():
     # pooled over two halves of the batch (two DP ranks): per-head means over all sequences
     q = constructed_map([0.2, 0.2, 0.2, 0.2])
     both = om.add_sums(om.attention_sums(p), om.attention_sums(q))
-    assert om.finalize_attention(both)["sink_rate"] == 0.25  # (1 + 0.2) / 2 = 0.6 > 0.3; 0.255, 0.245, 0.1 not
+    # per sequence (Gu et al.): 2 of 4 heads sink in p's 2 sequences, none in q's: 4 of 16 (sequence, head) pairs
+    assert om.finalize_attention(both)["sink_rate"] == 0.25
+    # pooled: per head (1 + 0.2) / 2 = 0.6 > 0.3; 0.255, 0.245, 0.1 not
+    assert om.finalize_attention(both)["sink_rate_pooled"] == 0.25
+
+
+def _gu_sink_rate(maps: torch.Tensor, eps: float) -> float:
+    """Gu et al. 2024's Sink^eps of key 0 as sail-sg/Attention-Sink's ``compute_attention_sink`` computes it on maps
+    [samples, layers, heads, T, T]: each key's weight summed over the queries and divided by how many queries see
+    it (T - j), thresholded per (sample, layer, head), then averaged over those three axes (a fraction here, a
+    percentage there)."""
+    t = maps.shape[-1]
+    seen_by = torch.arange(t, 0, -1, dtype=maps.dtype)  # key j is seen by T - j queries
+    importance = maps.sum(-2) / seen_by  # [S, L, H, T]
+    return float((importance[..., 0] > eps).to(F64).mean())
+
+
+def test_sink_rate_equals_gu_et_als_per_sequence_computation_on_the_same_maps():
+    """Six sequences whose heads sink in some sequences only: Gu et al.'s per-sequence share differs from the
+    pooled form, and ours equals theirs (layer means of the probe's per-layer values)."""
+    g = torch.Generator().manual_seed(0)
+    s, n_layers, h, t = 6, 3, 4, 9
+    scores = torch.randn(s, n_layers, h, t, t, generator=g, dtype=F64) * 2
+    scores[..., 0] += torch.randn(s, n_layers, h, 1, generator=g, dtype=F64) * 3  # key 0 strong in some sequences
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    maps = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    per_layer = [om.finalize_attention(om.attention_sums(maps[:, l])) for l in range(n_layers)]
+    ours = om.layer_mean(per_layer)
+    ref = _gu_sink_rate(maps, om.SINK_EPS)
+    assert ours["sink_rate"] == pytest.approx(ref, abs=1e-12)
+    assert ours["sink_rate_pooled"] != pytest.approx(ref)  # the pooled form is another quantity on these maps
+    assert om.sink_rate(maps[:, 0]).item() == pytest.approx(per_layer[0]["sink_rate"], abs=1e-12)
 
 
 def test_sink_rate_heads_split_over_tp_ranks_are_laid_side_by_side():

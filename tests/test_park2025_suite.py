@@ -14,7 +14,9 @@ import pytest
 
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.study.papers import SUITE_INFO
-from outlier_titan.study.reproduce import CLAIMS, aggregate, claims_park2025, fmt, suite_file
+from outlier_titan.study.claims import CLAIMS, claims_park2025
+from outlier_titan.study.groups import aggregate, fmt
+from outlier_titan.study.reproduce import suite_file
 from outlier_titan.study.spec import load_sweep
 from outlier_titan.study.stats import VERDICTS, estimate
 
@@ -44,7 +46,7 @@ def _base(**over):
          "ppl": {n: [100.0, 100.0, 100.0] for n in NAMES},
          "d_w4a4kv4_rtn": {"adam": [300, 280, 320], "osp": [10, 12, 8]},
          "d_w4a4kv4_rtn_hadamard": {"adam": [30, 28, 33], "osp": [2, 2.5, 1.5]},
-         "final_val_loss": {"adam": [4.0, 4.1, 3.9], "muon": [3.9, 4.0, 3.8], "muon_ssnorm": [3.9, 4.0, 3.8],
+         "final_val_loss": {"adam": [4.0, 4.1, 3.9], "muon": [4.0, 4.1, 3.9], "muon_ssnorm": [4.0, 4.1, 3.9],
                             "osp": [4.01, 4.11, 3.91], "osp_block_periodic": [4.02, 4.12, 3.92]}}
     for key, per in over.items():
         m[key] = {**m[key], **per}
@@ -59,16 +61,17 @@ def test_park_verdicts_follow_the_spread_over_seeds():
     assert CLAIMS["park2025"] is claims_park2025
     claims = claims_park2025(_groups(**_base()))
     assert len(claims) == 8 and all(v == "reproduced" for _, v, _ in claims), claims
-    assert "ratio 400" in claims[0][2] and "bootstrap over seeds" in claims[0][2]  # 200 / 0.5
+    assert "ratio 400" in claims[0][2] and "Welch t-test" in claims[0][2]  # 200 / 0.5
     # contradicted: SSNorm only halves Muon's kurtosis, tightly; OSP damages W4A4KV4 as much as Adam; OSP's loss
     # is 10 % worse on every seed
     got = _verdicts(osp_kurtosis={"muon_ssnorm": [75, 80, 70]}, d_w4a4kv4_rtn={"osp": [300, 290, 310]},
                     final_val_loss={"osp": [4.4, 4.51, 4.29]})
-    assert got[2] == got[4] == got[6] == "not reproduced" and got[0] == got[3] == "reproduced"
+    assert got[2] == got[4] == got[6] == "not reproduced"
+    assert got[0] == got[3] == "not reproduced"  # the kurtosis falls 5x, but at OSP's 10 % loss cost (one rule set)
     # inside the noise: the mean ratio is 5.5 but one of OSP's seeds is at 40; block_periodic's loss spreads ±5 %
     got = _verdicts(osp_kurtosis={"adam": [100, 140, 120], "osp": [5, 40, 20]},
                     final_val_loss={"osp_block_periodic": [4.21, 3.95, 4.11]})
-    assert got[0] == got[7] == "inconclusive at this scale"
+    assert got[0] == got[7] == "inconclusive"
     # a lower loss holds the loss claims (one-sided): OSP 20 % below Adam on every seed
     claims = claims_park2025(_groups(**_base(final_val_loss={"osp": [3.2, 3.3, 3.1]})))
     assert claims[6][1] == "reproduced" and "-20" in claims[6][2]
@@ -76,8 +79,9 @@ def test_park_verdicts_follow_the_spread_over_seeds():
     claims = claims_park2025(_groups(**_base(osp_kurtosis={"adam": [0.2, 0.3, 0.1]},
                                                 kurtosis_neuron_rms={"adam": [1.2, 1.3, 1.1]},
                                                 d_w4a4kv4_rtn={"adam": [0.1, 0.2, 0.0]})))
-    assert [claims[i][1] for i in (0, 1, 4)] == ["cannot be tested at this scale"] * 3
-    assert all("ratio" not in claims[i][2] for i in (0, 1, 4))
+    assert [claims[i][1] for i in (0, 1, 4)] == ["cannot be tested"] * 3
+    assert all("ratio" not in claims[i][2] for i in (0, 1))
+    assert "speaks against the claim" in claims[4][2]  # OSP's own 4-bit damage (10) stays visible beside it
     # a setting missing: not determined
     groups = [g for g in _groups(**_base()) if g["job.name"] != "muon_ssnorm"]
     assert [v for _, v, _ in claims_park2025(groups)][2:4] == ["not determined", "not determined"]
@@ -128,7 +132,7 @@ def test_park2025_smoke_report_comes_from_the_runs(tmp_path):
     ev = json.loads((sweep_dir / "points" / "osp" / "eval" / "step-8.json").read_text())
     rot = next(e for e in ev["schemes"] if e["scheme"] == "w4a4kv4_rtn_hadamard")["rotation"]
     assert "embedding projections folded into the embedding and the head" in rot["residual_rotation"]
-    verdicts = re.findall(rf"^- \*\*({'|'.join(VERDICTS)})\*\* — (.*)$", report, re.M)
+    verdicts = re.findall(rf"^- \*\*({'|'.join(VERDICTS)})\*\* at [^—]* — (.*)$", report, re.M)
     assert len(verdicts) == 8  # one seed: no interval, so no claim is decided either way
     assert all(v not in ("reproduced", "not reproduced") for v, _ in verdicts), verdicts
 

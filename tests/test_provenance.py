@@ -10,7 +10,8 @@ import pytest
 
 from outlier_titan import __version__, provenance
 from outlier_titan.study.papers import FOUR_BIT_SCHEMES, SUITE_INFO
-from outlier_titan.study.reproduce import _evaluated, evaluated_by, evaluation_updates, ptq_table, trained_by
+from outlier_titan.study.facts import evaluated_by, evaluation_updates, trained_by
+from outlier_titan.study.reproduce import _evaluated, ptq_table
 from outlier_titan.study.results import collect
 from outlier_titan.study.stats import estimate
 
@@ -124,7 +125,7 @@ def test_every_suite_adds_the_4bit_rows_marked_as_added():
 
 def test_an_unfinished_point_counts_in_no_number():
     """An in-progress report (some points still running or interrupted) averages the finished points only."""
-    from outlier_titan.study.reproduce import aggregate
+    from outlier_titan.study.groups import aggregate
 
     rows = [{"point": "a_s0", "status": "done", "seed": 0, "a": 1, "loss": 4.0},
             {"point": "a_s1", "status": "done", "seed": 1, "a": 1, "loss": 5.0},

@@ -26,9 +26,11 @@ Train/validation split, deterministic and independent of the number of ranks: a 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import platform
 import random
 import sysconfig
 from dataclasses import dataclass, field
@@ -386,3 +388,18 @@ register_source(NamedSource("fineweb", "Hugging Face HuggingFaceFW/fineweb (samp
                             hf=HFDataset("HuggingFaceFW/fineweb", "sample-10BT", None)))
 register_source(NamedSource(SYNTHETIC_NAME, f"the synthetic Bigram-Backcopy task, "
                             f"'{SYNTHETIC_NAME}[:states=64,triggers=3,alpha=0.2,seed=0]'", None, parameters=True))
+
+
+@functools.lru_cache(maxsize=None)
+def embedded_fingerprint() -> dict[str, object]:
+    """What the embedded corpus is on this interpreter: its ``.py`` files, their bytes and a SHA-256 over (path,
+    content) in sorted order (16 hex digits), so reports can say which standard library a run trained on."""
+    root = stdlib_root()
+    digest, size = hashlib.sha256(), 0
+    files = embedded_files(root)
+    for rel in files:
+        data = (root / rel).read_bytes()
+        size += len(data)
+        digest.update(rel.encode() + b"\0" + data)
+    return {"source": "embedded", "python": platform.python_version(), "files": len(files), "bytes": size,
+            "sha256": digest.hexdigest()[:16]}

@@ -10,7 +10,7 @@ from typing import Any
 SUMMARY_METRICS = (
     "kurtosis_first", "kurtosis_rest", "kurtosis_neuron_rms", "max_abs_first", "max_abs_rest",
     "max_median_ratio", "signal_prop_cos", "first_token_argmax_share", "first_token_attention_mass",
-    "residual_rms", "sink_rate", "massive_ratio", "massive_count", "residual_peak", "value_drain",
+    "residual_rms", "sink_rate", "sink_rate_pooled", "massive_ratio", "massive_count", "residual_peak", "value_drain",
     "dormant_head_share",
 )
 

@@ -30,9 +30,12 @@ Definitions (the papers' equations; docs/observatory.md):
 The attention-sink metrics of the field (see docs/attention.md; "weights" are the weights that multiply the
 values, unnormalised for sigmoid / ReLU / softpick attention):
 
-* **sink rate** ``Sink^eps`` (Gu et al. 2024, arXiv 2410.10781): per head the mean weight on key 0 over all
-  queries and sequences, ``alpha_h``; the share of heads with ``alpha_h > eps``, eps = 0.3 (``SINK_EPS``).
-  Per layer, and over all heads of all layers as the mean over layers (every layer has the same heads).
+* **sink rate** ``Sink^eps`` (Gu et al. 2024, arXiv 2410.10781, as their code computes it): per sequence and
+  head the mean weight on key 0 over the queries, ``alpha_{b,h}``; the share of (sequence, head) pairs with
+  ``alpha_{b,h} > eps``, eps = 0.3 (``SINK_EPS``). Per layer, and over all heads of all layers as the mean over
+  layers (every layer has the same sequences and heads), which is Gu et al.'s mean over (sequence, layer, head).
+  ``sink_rate_pooled`` is the form this project logged before 2026-11-28: the weight averaged over all sequences
+  first, thresholded once per head (equal to Gu et al.'s on one sequence, not on several).
 * **massive activations** (Sun et al. 2024, arXiv 2402.17762): per sequence, ``max |x|`` over its tokens and
   channels divided by the median ``|x|`` (``massive_ratio``) and the number of entries above 100 x that
   median (``massive_count``, ``MASSIVE_FACTOR``); means over sequences.
@@ -162,7 +165,7 @@ RESIDUAL_METRICS = (
 )
 ATTENTION_METRICS = (
     "first_token_argmax_share", "first_token_argmax_share_excl_q0", "first_token_attention_mass",
-    "first_token_attention_mass_norm", "attention_sink_mass", "attention_entropy", "sink_rate",
+    "first_token_attention_mass_norm", "attention_sink_mass", "attention_entropy", "sink_rate", "sink_rate_pooled",
 )
 HEAD_METRICS = ("value_drain", "dormant_head_share")
 
@@ -172,7 +175,15 @@ DORMANT_TAU = 0.1  # a head is dormant below this share of its layer's mean head
 
 
 def sink_rate(probs: torch.Tensor, eps: float = SINK_EPS) -> torch.Tensor:
-    """Gu et al. 2024: share of heads whose mean weight on key 0 (over batch and queries) exceeds ``eps``."""
+    """Gu et al. 2024's Sink^eps of one layer [B, H, T, T]: the share of (sequence, head) pairs whose mean weight on
+    key 0 over the queries exceeds ``eps``."""
+    alpha = probs[..., 0].to(F64).mean(2)  # [B, H]
+    return (alpha > eps).to(F64).mean()
+
+
+def sink_rate_pooled(probs: torch.Tensor, eps: float = SINK_EPS) -> torch.Tensor:
+    """The pooled form (not Gu et al.'s): the share of heads whose mean weight on key 0 over all sequences and
+    queries exceeds ``eps``."""
     alpha = probs[..., 0].to(F64).mean((0, 2))  # [H]
     return (alpha > eps).to(F64).mean()
 
@@ -321,6 +332,8 @@ def attention_sums(probs: torch.Tensor, map_size: int = 0, sink: bool = False) -
     # per head (a [H] vector: the probe lays local heads out at their global positions under TP)
     out["head_mass_first"] = p0.sum((0, 2))
     out["head_n_rows"] = p0.new_full((h,), float(b * t))
+    out["head_sink_seqs"] = (p0.mean(2) > SINK_EPS).to(F64).sum(0)  # sequences whose head sinks (Gu et al.)
+    out["head_n_seqs"] = p0.new_full((h,), float(b))
     if map_size > 0:
         k = min(map_size, t)
         out["map"] = p[:, :, :k, :k].sum((0, 1), dtype=F64)
@@ -344,7 +357,9 @@ def finalize_attention(s: dict[str, torch.Tensor]) -> dict[str, float]:
         out["first_token_argmax_share_excl_q0"] = float(s["argmax_first_excl_q0"]) / n1
     if "head_mass_first" in s and bool((s["head_n_rows"] > 0).all()):
         alpha = s["head_mass_first"] / s["head_n_rows"]
-        out["sink_rate"] = float((alpha > SINK_EPS).to(F64).mean())
+        out["sink_rate_pooled"] = float((alpha > SINK_EPS).to(F64).mean())
+    if "head_sink_seqs" in s and float(s["head_n_seqs"].sum()) > 0:
+        out["sink_rate"] = float(s["head_sink_seqs"].sum() / s["head_n_seqs"].sum())
     return out
 
 

@@ -12,30 +12,32 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import re
 import shutil
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from outlier_titan.errors import UserError
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.packaged import configs_dir
 from outlier_titan.provenance import code_version
-from outlier_titan.study import stats
+from outlier_titan.study import facts, stats
+from outlier_titan.study.claims import CLAIMS, THRESHOLDS, ours_park, sinks_table
+from outlier_titan.study.groups import aggregate, fmt, matches, num, select
 from outlier_titan.study.papers import SUITE_INFO, SuiteInfo
 from outlier_titan.study.plan import point_dir
-from outlier_titan.study.stats import Estimate, estimate
+from outlier_titan.study.results import logged_key
+from outlier_titan.study.rules import LOSS_COST, REDUCTION_FACTOR, RULES_TEXT, get, reduction, sources
+from outlier_titan.study.stats import Estimate
 
 SUITES = tuple(SUITE_INFO)
 SCALES = ("smoke", "cpu", "search", "synthetic", "tiles", "gpu")
-"""``search``: the calibration search of the cpu scale (issue 10), where a suite has one: the seeds' levers on
+"""``search``: the calibration search of the cpu scale, where a suite has one: the seeds' levers on
 the cpu recipe, evaluated and reported like a suite, so the settings tried and the peaks they gave are kept.
 ``synthetic``: the suite's grid on the synthetic Bigram-Backcopy task (``data.source = "bigram_backcopy"``), where
-a suite has one: a small-scale testbed for the attention sink, which natural text at cpu scale does not make.
+a suite has one: a small-scale testbed for the attention sink, which the embedded corpus (Python source) does not make at cpu scale.
 ``tiles``: the tile-size study, where a suite has one: the cpu recipe's baseline and remedy with the remedy's
 rotation over whole axes and in shard-local tiles of 128, 64 and 32, reported against the tile edge."""
 OPTIONAL_SCALES = {"search": "calibration search", "synthetic": "synthetic-task suite", "tiles": "tile-size study"}
@@ -70,6 +72,14 @@ def suite_file(suite: str, scale: str) -> Path:
                             f"scales: {', '.join(have)}")
         raise UserError(f"suite file {path} is missing; reinstall the package (or restore it from git)")
     return path
+
+
+def lr_choice(suite: str, scale: str) -> str:
+    """How the suite file says its learning rates were chosen (its top-level ``lr_choice``), or ""."""
+    from outlier_titan.config.manager import tomllib
+
+    path = configs_dir() / "suites" / suite / f"{scale}.toml"
+    return str(tomllib.loads(path.read_text()).get("lr_choice", "")) if path.is_file() else ""
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -195,7 +205,8 @@ def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, scheme
         picture = Path(source) / "figures" / f"hidden_{name}.png"
         if picture.is_file():
             shutil.copy2(picture, folder / "eval" / f"step-{steps}.hidden_magnitude.png")
-        write_state(folder, {**read_state(src), "adopted_from": str(source), "adopted_point": name})
+        state = read_state(src)  # a point the source had adopted itself keeps its first origin
+        write_state(folder, {"adopted_from": str(source), "adopted_point": name, **state})
         adopted.append(e["name"] if name == e["name"] else f"{e['name']} (= {name})")
     return adopted, refused
 
@@ -219,15 +230,11 @@ def _eval_report(folder: Path, steps: int) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
-
-
 def tokens_to_reach(records: dict[int, dict], tokens_per_step: int, target: float) -> float | None:
     """Tokens at which the validation loss first reaches ``target`` (linear between evaluations), or None."""
     prev = None
     for step in sorted(records):
-        v = _num(records[step].get("val_loss"))
+        v = num(records[step].get("val_loss"))
         if v is None:
             continue
         if v <= target:
@@ -246,10 +253,10 @@ def ours(suite: str, rows: list[dict[str, Any]], sweep_dir: Path, manifest: dict
     for r in rows:
         e = entries[r["point"]]
         rep = _eval_report(point_dir(sweep_dir, e["name"]), e["steps"])
-        r["ppl"] = _num((rep or {}).get("full_precision", {}).get("ppl"))
+        r["ppl"] = num((rep or {}).get("full_precision", {}).get("ppl"))
         r["first_share"] = r.get("final_first_token_argmax_share")
         for m in ("kurtosis_first", "kurtosis_rest", "max_abs_first", "max_abs_rest", "kurtosis_neuron_rms",
-                  "sink_rate", "massive_ratio", "value_drain"):
+                  "sink_rate", "sink_rate_pooled", "massive_ratio", "value_drain"):
             r[m] = r.get(f"final_{m}")
         r["d_int4"] = r.get("ptq_delta_ppl_int4_zeropoint")
         r["d_int8_coarse"] = r.get("ptq_delta_ppl_int8_coarse")
@@ -269,319 +276,6 @@ def ours(suite: str, rows: list[dict[str, Any]], sweep_dir: Path, manifest: dict
                 r["speedup"] = base["tokens"] / t if t else None
                 if r.get("tokens_per_s") and base.get("tokens_per_s"):
                     r["step_time_ratio"] = base["tokens_per_s"] / r["tokens_per_s"]
-
-
-def finished(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of finished points (``status`` done; a row without a status, e.g. a test table, counts as done):
-    a point still running or interrupted counts in no number, sentence or seed list of a report."""
-    return [r for r in rows if r.get("status", "done") == "done"]
-
-
-def aggregate(rows: list[dict[str, Any]], axes: list[str]) -> list[dict[str, Any]]:
-    """One group per setting (the axes without ``seed``), in manifest order: its axis values, ``points`` and
-    ``seeds`` (lists, in seed order), and every numeric metric of its rows as an :class:`Estimate` over seeds.
-    A point not finished (``status`` other than ``done``: still running, interrupted) is left out, so that an
-    in-progress report never averages a partial run."""
-    keys = [a for a in axes if a != "seed"]
-    groups: dict[tuple, dict[str, Any]] = {}
-    rows = finished(rows)
-    for r in sorted(rows, key=lambda r: (r.get("seed") is None, r.get("seed") or 0)):
-        g = groups.setdefault(tuple(repr(r.get(a)) for a in keys),
-                              {**{a: r.get(a) for a in keys}, "points": [], "seeds": [], "_rows": []})
-        g["points"].append(r["point"])
-        g["seeds"].append(r.get("seed"))
-        g["_rows"].append(r)
-    order = {r["point"]: i for i, r in enumerate(rows)}
-    out = []
-    for g in sorted(groups.values(), key=lambda g: min(order[p] for p in g["points"])):
-        members = g.pop("_rows")
-        metrics = {k for r in members for k, v in r.items() if _num(v) is not None and k not in keys
-                   and k not in ("seed", "point", "status")}
-        for k in sorted(metrics):
-            g[k] = estimate(_num(r.get(k)) for r in members)
-        g["point"] = g["points"][0].rsplit("_s", 1)[0] if len(g["points"]) > 1 else g["points"][0]
-        out.append(g)
-    return out
-
-
-def matches(row: dict[str, Any], sel: dict[str, Any]) -> bool:
-    return all(row.get(k) == v for k, v in sel.items())
-
-
-def select(rows: list[dict[str, Any]], sel: dict[str, Any]) -> dict[str, Any] | None:
-    """The first point (manifest order) whose axes equal ``sel``; points of a suite that vary other axes (e.g.
-    a learning-rate lever) contribute their first value."""
-    for r in rows:
-        if matches(r, sel):
-            return r
-    return None
-
-
-def fmt(v: Any) -> str:
-    """How every number appears in the report (the test parses the same format): mean ± sd over seeds for an
-    :class:`Estimate`."""
-    if v is None:
-        return "—"
-    if isinstance(v, Estimate):
-        return v.text()
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-# ------------------------------------------------------------------------------------------------ verdicts
-
-Claim = tuple[str, str, str]
-"""(the claim, its verdict (one of :data:`stats.VERDICTS`), the numbers and the test that decided it)."""
-
-PTQ_FLOOR = 0.01
-"""A baseline's quantisation damage counts as an effect when its Δppl interval lies above 1 % of its PPL; below
-that the remedy's claim cannot be tested at this scale (a ratio of two noises)."""
-
-
-def _get(group: dict[str, Any] | None, key: str) -> Estimate | None:
-    v = (group or {}).get(key)
-    return v if isinstance(v, Estimate) else None
-
-
-def _paired_relative(a: dict[str, Any], b: dict[str, Any], key: str) -> Estimate | None:
-    """(b − a) / a per seed that both groups ran (same seed: same initialisation and data order)."""
-    ea, eb = _get(a, key), _get(b, key)
-    if ea is None or eb is None or a["seeds"] != b["seeds"] or ea.n != len(a["seeds"]) or eb.n != len(b["seeds"]):
-        return None
-    return estimate((y - x) / x for x, y in zip(ea.values, eb.values))
-
-
-def _ptq_claim(text: str, base: dict | None, rem: dict | None, key: str, k: float) -> Claim:
-    """``Δppl(remedy) < Δppl(baseline) / k``, testable only where the baseline's Δppl shows an effect."""
-    b, r, ppl = _get(base, key), _get(rem, key), _get(base, "ppl")
-    if b is None or r is None or ppl is None:
-        return text, stats.MISSING, "an evaluation report is missing"
-    if not stats.effect_present(b, PTQ_FLOOR * ppl.mean):
-        return text, stats.UNTESTABLE, (f"the baseline's Δppl {b.text()} on PPL {ppl.text()} is not above "
-                                        f"{PTQ_FLOOR:.0%} of its PPL (t-interval over seeds): no quantisation "
-                                        f"damage for the remedy to remove")
-    return (text, *stats.ratio_verdict(b, r, k))
-
-
-def claims_kaul(groups: list[dict[str, Any]]) -> list[Claim]:
-    base = select(groups, {"optimizer.name": "adam", "model.softmax": "softmax", "model.norm": "layernorm"})
-    s1 = select(groups, {"optimizer.name": "adam", "model.softmax": "softmax1", "model.norm": "layernorm"})
-    rem = select(groups, {"optimizer.name": "orthoadam", "model.softmax": "softmax1", "model.norm": "rmsnorm_single"})
-    out: list[Claim] = []
-    text = "first-token argmax share: baseline (Adam, softmax, LayerNorm) ≥ 0.3 and softmax-1 ≤ 0.05"
-    sink = stats.threshold_verdict(_get(base, "first_share"), 0.3, above=True)
-    if sink[0] == stats.NOT_REPRODUCED:
-        out.append((text, stats.UNTESTABLE, f"the baseline forms no sink: {sink[1]}"))
-    else:
-        gone = stats.threshold_verdict(_get(s1, "first_share"), 0.05, above=False)
-        out.append((text, stats.combine(sink, gone), f"baseline {sink[1]}; softmax-1 {gone[1]}"))
-    text = ("kurtosis (other tokens, final): baseline ≥ 5× that of OrthoAdam + softmax-1 + RMSNorm-S at a "
-            "validation loss within 2%")
-    kurt = stats.ratio_verdict(_get(base, "kurtosis_rest"), _get(rem, "kurtosis_rest"), 5)
-    dloss = _paired_relative(base, rem, "final_val_loss") if base and rem else None
-    if dloss is None:
-        loss = (stats.MISSING, "the val losses of both points at the same seeds are missing")
-    else:
-        iv = stats.interval(dloss)
-        lo, hi = iv if iv else (dloss.mean, dloss.mean)
-        v = (stats.REPRODUCED if -0.02 <= lo and hi <= 0.02 else
-             stats.NOT_REPRODUCED if lo > 0.02 or hi < -0.02 else stats.INCONCLUSIVE)
-        loss = (v, f"val loss change {dloss.mean:+.2%} ± {(dloss.sd or 0):.2%}"
-                   + (f", 95% interval [{lo:+.2%}, {hi:+.2%}]" if iv else "") + " (paired by seed, t)")
-    out.append((text, stats.combine(kurt, loss), f"{kurt[1]}; {loss[1]}"))
-    out.append(_ptq_claim("int4 zero-point Δppl of the remedy below a third of the baseline's", base, rem,
-                          "d_int4", 3))
-    return out
-
-
-def claims_he(groups: list[dict[str, Any]]) -> list[Claim]:
-    base = select(groups, {"model.block": "pre_ln", "optimizer.name": "adamw"})
-    rem = select(groups, {"model.block": "op", "optimizer.name": "soap"})
-    text = "peak neuron-RMS kurtosis: Pre-LN + AdamW ≥ 5× that of OP + SOAP"
-    out: list[Claim] = [(text, *stats.ratio_verdict(_get(base, "peak_kurtosis_neuron_rms"),
-                                                    _get(rem, "peak_kurtosis_neuron_rms"), 5))]
-    out.append(_ptq_claim("W8A8 Δppl of OP + SOAP below a third of Pre-LN + AdamW's", base, rem, "d_w8a8", 3))
-    return out
-
-
-def claims_franke(groups: list[dict[str, Any]]) -> list[Claim]:
-    """A seed whose anGPT never reaches GPT+'s final loss has a speed-up below 1 of unknown size: it enters the
-    interval as 1.0, an upper bound, so it can only favour the claim; a "reproduced" is then withheld."""
-    an = select(groups, {"model.name": "angpt"})
-    text = "anGPT reaches GPT+'s final validation loss with fewer tokens (speed-up > 1, per seed against GPT+)"
-    sp, finished = _get(an, "speedup"), _get(an, "final_val_loss")
-    if an is not None and sp is None and finished is not None:
-        return [(text, stats.NOT_REPRODUCED, "anGPT never reached GPT+'s final val loss at any seed")]
-    never = (finished.n - sp.n) if sp is not None and finished is not None else 0
-    if not never:
-        return [(text, *stats.threshold_verdict(sp, 1.0, above=True))]
-    verdict, detail = stats.threshold_verdict(Estimate(sp.values + (1.0,) * never), 1.0, above=True)
-    if verdict == stats.REPRODUCED:
-        verdict = stats.INCONCLUSIVE
-    return [(text, verdict, f"{detail}; {never} of {finished.n} seeds never reached GPT+'s final val loss (a "
-                            "speed-up below 1 there, counted as 1, an upper bound)")]
-
-
-SINK_METRICS = (("sink_rate", "Sink^0.3"), ("first_share", "first-token argmax share"))
-"""The two sink measures a remedy is judged on: the attention sink (Gu et al. 2024's share of heads whose mean
-weight on the first key exceeds 0.3) and the share of (query, head) pairs whose most-attended key is the first
-token (Kaul et al. 2024's %First)."""
-SINK_REMOVED = 0.05
-"""A remedy removes a sink when the t-interval over seeds of its measure lies at or below this; the baseline has
-one to remove when its interval lies wholly above it."""
-
-
-def _sink_claim(variant: str, opt: Any, base: dict[str, Any] | None, g: dict[str, Any], key: str,
-                label: str) -> Claim:
-    """One remedy, one optimizer, one sink measure: removed (interval ≤ :data:`SINK_REMOVED`), kept (interval
-    above it) or inside the noise; untestable where that optimizer's softmax baseline shows no sink."""
-    with_opt = f" with {opt}" if opt is not None else ""
-    text = f"{variant}{with_opt} removes the {label} sink of softmax{with_opt} ({label} ≤ {SINK_REMOVED:g})"
-    b, r = _get(base, key), _get(g, key)
-    if b is None or r is None:
-        return text, stats.MISSING, "a point or its probe metric is missing"
-    diff = (estimate(y - x for x, y in zip(b.values, r.values))
-            if base["seeds"] == g["seeds"] and b.n == r.n == len(g["seeds"]) else None)
-    dloss = _paired_relative(base, g, "final_val_loss")
-    extra = ((f"; change vs the baseline {diff.text()} (paired by seed)" if diff else "")
-             + (f"; val loss change {dloss.mean:+.2%} ± {(dloss.sd or 0):.2%} (relative, paired by seed)"
-                if dloss else ""))
-    if not stats.effect_present(b, SINK_REMOVED):
-        return text, stats.UNTESTABLE, (f"the baseline forms no sink at this scale ({label} {b.text()}, t-interval "
-                                        f"not above {SINK_REMOVED:g}); {variant} {r.text()}{extra}")
-    v, d = stats.threshold_verdict(r, SINK_REMOVED, above=False)
-    return text, v, f"baseline {b.text()}; {variant} {d}{extra}"
-
-
-def _sink_claims(groups: list[dict[str, Any]]) -> dict[tuple[Any, Any, str], Claim]:
-    """Every remedy's claim per sink measure and optimizer, keyed ``(variant, optimizer, measure key)``, in report
-    order (measure, then the groups' order)."""
-    out: dict[tuple[Any, Any, str], Claim] = {}
-    for key, label in SINK_METRICS:
-        for g in groups:
-            variant, opt = g.get("model.attention"), g.get("optimizer.name")
-            if variant != "softmax":
-                base = select(groups, {"model.attention": "softmax", "optimizer.name": opt})
-                out[variant, opt, key] = _sink_claim(variant, opt, base, g, key, label)
-    return out
-
-
-def claims_sinks(groups: list[dict[str, Any]]) -> list[Claim]:
-    """Per remedy, per optimizer (where the suite varies ``optimizer.name``) and per sink measure
-    (:data:`SINK_METRICS`): whether it removes the sink of the softmax baseline trained with the same optimizer,
-    with the change against that baseline and the validation-loss cost, both paired by seed."""
-    return list(_sink_claims(groups).values())
-
-
-def sinks_table(groups: list[dict[str, Any]]) -> list[str]:
-    """Markdown: one row per attention variant and optimizer, each sink measure (mean ± sd over seeds) with its
-    verdict from :func:`claims_sinks` in short form, and the validation loss with its change against that
-    optimizer's softmax baseline (relative, paired by seed)."""
-    short = {stats.REPRODUCED: "removed", stats.NOT_REPRODUCED: "kept", stats.INCONCLUSIVE: "inside the noise",
-             stats.UNTESTABLE: "no baseline sink", stats.MISSING: "missing"}
-    verdicts = {k: short[c[1]] for k, c in _sink_claims(groups).items()}
-    head = ["| attention | optimizer | " + " | ".join(label for _, label in SINK_METRICS)
-            + " | val loss | val loss change vs softmax |", "|---|---|" + "---|" * (len(SINK_METRICS) + 2)]
-    body = []
-    for g in groups:
-        variant, opt = g.get("model.attention"), g.get("optimizer.name")
-        base = select(groups, {"model.attention": "softmax", "optimizer.name": opt})
-        cells = [fmt(_get(g, key)) + (" (baseline)" if variant == "softmax" else f" ({verdicts[variant, opt, key]})")
-                 for key, _ in SINK_METRICS]
-        d = _paired_relative(base, g, "final_val_loss") if base and variant != "softmax" else None
-        change = f"{d.mean:+.2%} ± {(d.sd or 0):.2%}" if d else "—"
-        body.append(f"| {variant} | {opt if opt is not None else '—'} | " + " | ".join(cells)
-                    + f" | {fmt(_get(g, 'final_val_loss'))} | {change} |")
-    return head + body
-
-
-# --- park2025 (Outlier-Safe Pre-Training, Park et al. 2025) ---
-
-PARK_KURTOSIS_FLOOR = 1.0
-"""The OSP script's excess kurtosis of a point counts as an outlier effect when its t-interval lies above 1 (a
-Gaussian token gives 0; one dominant channel of D gives about D - 3); below that a ratio compares noise."""
-PARK_K = 5.0
-"""Every kurtosis claim asks for a factor of 5 (the paper's factors are far larger: Adam / OSP 1818.56 / 0.04,
-Muon / Muon + SSNorm 1575.12 / 66.69, Muon + SSNorm / OSP 66.69 / 0.04)."""
-PARK_LOSS_TOL = 0.02
-
-
-def ours_park(rows: list[dict[str, Any]]) -> None:
-    """park2025's own columns (in place): the OSP script's excess kurtosis of the evaluation, and per 4-bit scheme
-    its Δppl and quantised PPL (the paper prints the quantised PPL)."""
-    for r in rows:
-        r["osp_kurtosis"] = r.get("eval_osp_kurtosis")
-        for scheme in ("w4a4kv4_rtn", "w4a4kv4_rtn_hadamard"):
-            d = r.get(f"ptq_delta_ppl_{scheme}")
-            r[f"d_{scheme}"] = d
-            r[f"ppl_{scheme}"] = r["ppl"] + d if d is not None and r.get("ppl") is not None else None
-
-
-def _park_ratio_claim(text: str, a: dict | None, b: dict | None, key: str, floor: float, what: str) -> Claim:
-    """``key(a) ≥ PARK_K × key(b)``; cannot be tested where ``a`` itself shows no effect (its interval not above
-    ``floor``)."""
-    ea, eb = _get(a, key), _get(b, key)
-    if ea is None or eb is None:
-        return text, stats.MISSING, "a point or its metric is missing"
-    if not stats.effect_present(ea, floor):
-        return text, stats.UNTESTABLE, (f"{what} {ea.text()} is not above {floor:g} (t-interval over seeds): no "
-                                        f"outliers for the remedy to remove; the remedy's {eb.text()}")
-    return (text, *stats.ratio_verdict(ea, eb, PARK_K))
-
-
-def _park_loss_claim(text: str, base: dict | None, other: dict | None) -> Claim:
-    """``other`` costs at most PARK_LOSS_TOL of ``base``'s final validation loss (one-sided: the claims are "without
-    sacrificing performance" and "keeps full Muon's loss"; a lower loss holds them): the relative change, paired by
-    seed, with its t-interval; reproduced when the interval lies below +PARK_LOSS_TOL, not reproduced when it lies
-    wholly above."""
-    d = _paired_relative(base, other, "final_val_loss") if base and other else None
-    if d is None:
-        return text, stats.MISSING, "the val losses of both points at the same seeds are missing"
-    iv = stats.interval(d)
-    detail = f"val loss change {d.mean:+.2%} ± {(d.sd or 0):.2%}"
-    if iv is None:
-        return text, stats.INCONCLUSIVE, detail + " (one seed: no interval)"
-    lo, hi = iv
-    detail += f", 95% interval [{lo:+.2%}, {hi:+.2%}] (paired by seed, t), needed ≤ {PARK_LOSS_TOL:+.0%}"
-    v = stats.REPRODUCED if hi <= PARK_LOSS_TOL else stats.NOT_REPRODUCED if lo > PARK_LOSS_TOL else stats.INCONCLUSIVE
-    return text, v, detail
-
-
-def claims_park2025(groups: list[dict[str, Any]]) -> list[Claim]:
-    """Park et al. 2025's claims on the suite's settings (selected by ``job.name``): the OSP recipe removes the
-    kurtosis Adam grows (both measures), SSNorm and EmbProj each take a step of it, its 4-bit damage is small
-    against Adam's, at Adam's loss; and MuonBP's claim that block steps with periodic full ones keep full Muon's
-    loss (Khaled et al. 2025)."""
-    g = {name: select(groups, {"job.name": name}) for name in ("adam", "muon", "muon_ssnorm", "osp",
-                                                                 "osp_block_periodic")}
-    k = f"{PARK_K:g}"
-    out = [
-        _park_ratio_claim(f"excess kurtosis (OSP script): Adam ≥ {k}× the OSP recipe's (Muon + SSNorm + EmbProj)",
-                          g["adam"], g["osp"], "osp_kurtosis", PARK_KURTOSIS_FLOOR, "Adam's excess kurtosis"),
-        _park_ratio_claim(f"neuron-RMS kurtosis (final): Adam ≥ {k}× the OSP recipe's", g["adam"], g["osp"],
-                          "kurtosis_neuron_rms", PARK_K, "Adam's neuron-RMS kurtosis (≥ 1 by definition)"),
-        _park_ratio_claim(f"SSNorm's step (OSP script's kurtosis): Muon ≥ {k}× Muon + SSNorm", g["muon"],
-                          g["muon_ssnorm"], "osp_kurtosis", PARK_KURTOSIS_FLOOR, "Muon's excess kurtosis"),
-        _park_ratio_claim(f"EmbProj's step (OSP script's kurtosis): Muon + SSNorm ≥ {k}× Muon + SSNorm + EmbProj",
-                          g["muon_ssnorm"], g["osp"], "osp_kurtosis", PARK_KURTOSIS_FLOOR,
-                          "Muon + SSNorm's excess kurtosis"),
-        _ptq_claim("W4A4KV4 RTN Δppl of the OSP recipe below a third of Adam's", g["adam"], g["osp"],
-                   "d_w4a4kv4_rtn", 3),
-        _ptq_claim("W4A4KV4 RTN + Hadamard (QuaRot) Δppl of the OSP recipe below a third of Adam's", g["adam"],
-                   g["osp"], "d_w4a4kv4_rtn_hadamard", 3),
-        _park_loss_claim(f"the OSP recipe's val loss at most {PARK_LOSS_TOL:.0%} above Adam's", g["adam"], g["osp"]),
-        _park_loss_claim(f"MuonBP: block_periodic Muon's val loss at most {PARK_LOSS_TOL:.0%} above full Muon's (OSP "
-                         f"recipe; Khaled et al. 2025)", g["osp"], g["osp_block_periodic"]),
-    ]
-    return out
-
-# --- end park2025 ---
-
-
-CLAIMS: dict[str, Callable[[list[dict[str, Any]]], list[Claim]]] = {  # on the groups of :func:`aggregate`
-    "kaul2024": claims_kaul, "he2024": claims_he, "franke2025": claims_franke, "sinks2025": claims_sinks,
-    "park2025": claims_park2025}
 
 
 # ------------------------------------------------------------------------------------------------ figures
@@ -613,7 +307,7 @@ def trajectory_figures(sweep_dir: Path, rows: list[dict[str, Any]], info: SuiteI
             colour = f"C{n % 10}"
             keys = [key, "val_loss"] if key == "loss" else [key]
             for k, style in zip(keys, ("-", "--")):
-                per_seed = [{s: v for s in recs if (v := _num(recs[s].get(k))) is not None} for recs, _ in runs]
+                per_seed = [{s: v for s in recs if (v := num(recs[s].get(k))) is not None} for recs, _ in runs]
                 steps = sorted(set.intersection(*(set(d) for d in per_seed))) if per_seed else []
                 if not steps:
                     continue
@@ -646,7 +340,7 @@ def worst_layer_peaks(records: dict[int, dict], metric: str) -> tuple[float, int
     for step, rec in records.items():
         for k, v in rec.items():
             m = pat.match(k)
-            if m and _num(v) is not None and (best is None or v > best[0]):
+            if m and num(v) is not None and (best is None or v > best[0]):
                 best = (float(v), int(m.group(1)), step)
     return best
 
@@ -661,8 +355,10 @@ def peaks_table(sweep_dir: Path, rows: list[dict[str, Any]], metrics: list[str])
         recs = read_metrics(path) if path.is_file() else {}
         cells = []
         for m in metrics:
-            series = [v for v in (_num(recs[s].get(f"outliers/{m}")) for s in sorted(recs)) if v is not None]
-            w = worst_layer_peaks(recs, m)
+            key = logged_key(recs, m)
+            series = [v for v in (num(recs[s].get(f"outliers/{key}")) for s in sorted(recs)) if v is not None] \
+                if key else []
+            w = worst_layer_peaks(recs, key) if key else None
             worst = f"{fmt(w[0])} ({w[1]}, {w[2]})" if w else "—"
             cells.append(f"{fmt(series[-1] if series else None)} / {fmt(max(series) if series else None)} / "
                          f"{worst}")
@@ -702,65 +398,6 @@ def _axes_label(row: dict[str, Any], axes: list[str]) -> str:
     return ", ".join(f"{a}={row.get(a)}" for a in axes if a != "seed")
 
 
-def trained_by(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
-    """The report's sentence on the code that trained the finished points (``code`` of each ``sweep_state.json``;
-    a point still running or interrupted is not counted)."""
-    from outlier_titan.study.runner import read_state
-
-    codes: dict[str, int] = {}
-    adopted: dict[str, list[tuple[str, str]]] = {}  # report folder -> (our point, its name there)
-    missing = several = 0
-    for r in finished(rows):
-        state = read_state(point_dir(sweep_dir, r["point"]))
-        recorded = state.get("code", [])
-        missing += not recorded
-        several += len(set(recorded)) > 1
-        for c in recorded:
-            codes[c] = codes.get(c, 0) + 1
-        if state.get("adopted_from"):
-            adopted.setdefault(state["adopted_from"], []).append((r["point"], state.get("adopted_point", r["point"])))
-    took = ""
-    for src, pairs in adopted.items():
-        renamed = [f"{ours} = {theirs}" for ours, theirs in pairs if ours != theirs]
-        took += (f" {len(pairs)} point{'s were' if len(pairs) != 1 else ' was'} trained and evaluated by an earlier "
-                 f"run and adopted from its report folder `{src}` (`--adopt`"
-                 + (f"; under another name there: {', '.join(renamed)}" if renamed else "") + ").")
-    if not codes:
-        return "the code that trained the points is not recorded in their `sweep_state.json`." + took
-    parts = [f"{c} ({n} point{'s' * (n != 1)})" for c, n in codes.items()]
-    return ("points trained at code " + ", ".join(parts)
-            + (f" ({several} point{'s' * (several != 1)} resumed at other code, counted under each)" if several else "")
-            + (f"; {missing} point{'s' * (missing != 1)} without a record" if missing else "") + "." + took)
-
-
-def evaluated_by(rows: list[dict[str, Any]]) -> str:
-    """The report's sentence on the code that evaluated the finished points (``code`` of each evaluation report,
-    carried as ``eval_code``), or "" when none was evaluated."""
-    evaluated = [r for r in finished(rows) if "eval_code" in r]
-    codes = Counter(r["eval_code"] for r in evaluated if r["eval_code"])
-    missing = len(evaluated) - sum(codes.values())
-    parts = [f"{c} ({n} point{'s' * (n != 1)})" for c, n in codes.items()]
-    if missing:
-        parts.append(f"not recorded for {missing} point{'s' * (missing != 1)} (evaluated before evaluation "
-                     f"reports recorded their code, 2026-11-28)")
-    return f" Evaluated at code {', '.join(parts)}." if parts else ""
-
-
-def evaluation_updates(rows: list[dict[str, Any]]) -> str:
-    """The report's sentence on schemes re-run into the points' evaluation reports after the evaluation
-    (``scripts/evaluate.py --update``: the ``eval_updated`` stamps :func:`results.point_row` carries), or ""."""
-    runs: dict[tuple, list[str]] = {}  # (schemes re-run together, code) -> the dates, one per point
-    for r in rows:
-        for u in r.get("eval_updated") or []:
-            runs.setdefault((tuple(u["schemes"]), u.get("code")), []).append(u["at"][:10])
-    parts = [f"{', '.join(schemes)} on {len(dates)} point{'s' * (len(dates) != 1)} "
-             f"({min(dates)}{' to ' + max(dates) if max(dates) != min(dates) else ''}, "
-             f"{'at code ' + code if code else 'code not recorded'})"
-             for (schemes, code), dates in runs.items()]
-    return (" Re-run into the evaluation reports afterwards (`scripts/evaluate.py --update`): "
-            + "; ".join(parts) + ".") if parts else ""
-
-
 def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: dict[str, Any],
                  columns: list[str], rows: list[dict[str, Any]], eval_failed: list[str]) -> Path:
     """``out/report.md`` with figures under ``out/figures`` and each point's logs under ``out/runs``."""
@@ -791,17 +428,18 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     groups = aggregate(rows, manifest["axes"])
     seeds = sorted({s for g in groups for s in g["seeds"] if s is not None})
     done = sum(len(g["points"]) for g in groups)
+    runs, scale_phrase = facts.header(sweep_dir, manifest, rows, seeds, lr_choice(suite, scale), out)
     lines = [f"# {info.title} — {scale} scale", "",
              f"Paper: {info.citation}. Suite file: `train_configs/suites/{suite}/{scale}.toml`; sweep folder: "
              f"`{sweep_dir}`. Written {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC by "
-             f"`python scripts/reproduce.py --suite {suite} --scale {scale}` at code {code_version()}; "
-             f"{trained_by(sweep_dir, rows)}{evaluated_by(rows)}{evaluation_updates(rows)}", "",
+             f"`python scripts/reproduce.py --suite {suite} --scale {scale}` at code {code_version()}.", "",
              f"{done} of {len(rows)} points finished: {len(groups)} settings × training seeds {seeds}. Every number "
              f"of ours is the mean ± sd over the finished points' seeds (per-seed values in the appendix); "
-             f"verdicts are decided from intervals over the seeds, and the test is named beside each. Our numbers "
-             f"come from `results.csv` (collected from the run folders; copies of each point's `metrics.jsonl` and "
-             f"evaluation report are under `runs/`). The papers' models are far larger and trained far longer than "
-             f"ours, so the comparison is of directions and ratios, not of values.", ""]
+             f"verdicts are decided from t-based 95 % intervals over the seeds by one rule set (below), and the test "
+             f"is named beside each. Our numbers come from `results.csv` (collected from the run folders; copies of "
+             f"each point's `metrics.jsonl` and evaluation report are under `runs/`). Every verdict holds {scale_phrase}: "
+             f"the papers' models are far larger and trained far longer than ours, so the comparison is of "
+             f"directions and ratios, not of values.", ""] + runs
     lines += tile_grid_section(manifest)
     if scale == "smoke":
         lines += ["**Smoke scale:** tiny models trained for a few steps; these runs test the pipeline and say "
@@ -813,22 +451,26 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     if scale == "synthetic":
         lines += ["**Synthetic task:** these runs train on the Bigram-Backcopy task (`data.source = "
                   "\"bigram_backcopy\"`, Guo et al. 2024), a generated token stream where only the copy after a "
-                  "trigger token needs attention and every window starts with BOS, not on natural text; what they "
-                  "show is the mechanism at small scale, beside (not instead of) the cpu scale's natural-text runs.",
+                  "trigger token needs attention and every window starts with BOS, not on text; what they show is "
+                  "the mechanism at small scale, beside (not instead of) the cpu scale's runs on Python source.",
                   ""]
     if scale == "tiles" and info.tile_study:
-        lines += tile_study_section(groups, info, fig_dir)
+        lines += tile_study_section(groups, info, fig_dir, scale_phrase)
     if eval_failed:
         lines += [f"Evaluation failed for: {', '.join(eval_failed)} (see `<point>/eval.log`).", ""]
     if suite == "sinks2025":
         lines += ["## Summary: each remedy against the softmax baseline of its optimizer", "",
                   "Each cell: mean ± sd over seeds at the last probe step, and in brackets the verdict below in "
-                  "short (removed: the t-interval over seeds lies at or below 0.05; kept: wholly above it; no "
-                  "baseline sink: that optimizer's softmax interval does not lie above 0.05).", ""]
+                  "short (removed: the t-interval over seeds lies at or below 0.05 and the val loss costs at most "
+                  "2 %; kept or costly: the interval lies wholly above 0.05 or the loss costs more; no baseline "
+                  "sink: that optimizer's softmax interval does not lie above 0.05).", ""]
         lines += sinks_table(groups) + [""]
-    lines += ["## Verdicts", ""]
-    for text, verdict, detail in CLAIMS[suite](groups):
-        lines.append(f"- **{verdict}** — {text}: {detail}.")
+    claims = CLAIMS[suite](groups)
+    lines += ["## Verdicts", "", RULES_TEXT, ""]
+    for text, verdict, detail in claims:
+        lines.append(f"- **{verdict}** {scale_phrase} — {text}: {detail}.")
+    lines += ["", stats.chance_calls([v for _, v, _ in claims]), "",
+              "Thresholds and where they come from:", "", *sources(THRESHOLDS[suite])]
     lines += ["", "## The paper's numbers beside ours", "",
               "Each row: the paper's setting, then `paper / ours` per metric (ours: mean ± sd over seeds of the "
               "setting with those axes; — where a side has no number).", ""]
@@ -871,15 +513,17 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     return path
 
 
-def tile_study_section(groups: list[dict[str, Any]], info: SuiteInfo, fig_dir: Path) -> list[str]:
-    """The tile-size study: per tile edge of the remedy, the verdict of the suite's main claim against the baseline,
+def tile_study_section(groups: list[dict[str, Any]], info: SuiteInfo, fig_dir: Path,
+                       scale_phrase: str = "at this scale") -> list[str]:
+    """The tile-size study: per tile edge of the remedy, the verdict of the suite's main claim against the baseline
+    by the rule set's :func:`~outlier_titan.study.rules.reduction` (gate, Welch test, loss cost),
     a table of the study's metrics (mean ± sd over seeds) and ``figures/tile_study.png`` (metric vs tile edge, error
     bars one sd, the baseline as a band)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    base_sel, rem_sel, claim_metric, k, metrics = info.tile_study
+    base_sel, rem_sel, claim_metric, metrics = info.tile_study
     base = select(groups, base_sel)
     remedies = sorted((g for g in groups if matches(g, rem_sel)),
                       key=lambda g: -(g["optimizer.tile_size"] or 10 ** 9))  # whole axes first, then shrinking
@@ -887,10 +531,12 @@ def tile_study_section(groups: list[dict[str, Any]], info: SuiteInfo, fig_dir: P
     lines = ["## Tile-size study", "",
              f"The remedy ({', '.join(f'{a}={v}' for a, v in rem_sel.items())}) with its rotation over whole axes "
              f"(the published method) and in shard-local tiles; the baseline is {base['point'] if base else '—'}. "
-             f"Verdict per tile edge: the claim '{claim_metric} of the baseline ≥ {k:g}× the remedy's'.", ""]
+             f"Verdict per tile edge, by the rule set below: '{claim_metric} (final) of the baseline ≥ "
+             f"{REDUCTION_FACTOR.value:g}× the remedy's, at a val loss at most {LOSS_COST.value:.0%} above the "
+             f"baseline's'.", ""]
     for g in remedies:
-        v, d = stats.ratio_verdict(_get(base, claim_metric), _get(g, claim_metric), k)
-        lines.append(f"- tile {label(g)}: **{v}** — {d}.")
+        _, v, d = reduction("", base, g, claim_metric)
+        lines.append(f"- tile {label(g)}: **{v}** {scale_phrase} — {d}.")
     lines += ["", "| tile edge | " + " | ".join(metrics) + " |", "|---|" + "---|" * len(metrics)]
     for g in ([base] if base else []) + remedies:
         name = "baseline" if g is base else label(g)
@@ -898,12 +544,12 @@ def tile_study_section(groups: list[dict[str, Any]], info: SuiteInfo, fig_dir: P
     fig, axs = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.2))
     xs = list(range(len(remedies)))
     for ax, m in zip(axs, metrics):
-        ests = [_get(g, m) for g in remedies]
+        ests = [get(g, m) for g in remedies]
         pts = [(x, e) for x, e in zip(xs, ests) if e is not None]
         if pts:
             ax.errorbar([x for x, _ in pts], [e.mean for _, e in pts], yerr=[e.sd or 0 for _, e in pts],
                         marker="o", capsize=3, label="remedy")
-        b = _get(base, m)
+        b = get(base, m)
         if b is not None:
             ax.axhspan(b.mean - (b.sd or 0), b.mean + (b.sd or 0), color="C3", alpha=0.2)
             ax.axhline(b.mean, color="C3", lw=1, label="baseline")

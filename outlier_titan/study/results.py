@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 from outlier_titan.observe.logger import read_metrics
+from outlier_titan.study.groups import num
 from outlier_titan.study.plan import fmt_count, point_dir
 from outlier_titan.study.runner import point_status
 
@@ -28,7 +28,12 @@ from outlier_titan.study.runner import point_status
 PROBE_METRICS = ("kurtosis_first", "kurtosis_rest", "kurtosis_neuron_rms", "max_abs_first", "max_abs_rest",
                  "first_token_argmax_share", "first_token_attention_mass",
                  # attention-sink metrics of the field (docs/attention.md)
-                 "sink_rate", "massive_ratio", "massive_count", "residual_peak", "value_drain", "dormant_head_share")
+                 "sink_rate", "sink_rate_pooled", "massive_ratio", "massive_count", "residual_peak", "value_drain",
+                 "dormant_head_share")
+LEGACY_PROBE_NAMES = {"sink_rate": "sink_rate_pooled"}
+"""Probe metrics whose definition changed: a run that logged the old name and not the new one logged the old
+definition (until 2026-11-28 ``sink_rate`` was the pooled form, thresholded after averaging over sequences), so
+its values are collected under the name that definition has now."""
 BASE_COLUMNS = ("params", "flops_per_token", "tokens", "flops", "final_val_loss", "best_val_loss",
                 "final_train_loss", "wall_s", "tokens_per_s")
 
@@ -50,8 +55,15 @@ def status_lines(sweep_dir: Path, manifest: dict[str, Any]) -> list[str]:
     return [ln.rstrip() for ln in lines]
 
 
-def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+def logged_key(records: dict[int, dict], metric: str) -> str | None:
+    """The name under which a run's ``metrics.jsonl`` logged ``metric`` as it is defined now (``outliers/<name>``,
+    ``outliers/layer_<i>/<name>``), or None where the run logged only an older definition of it
+    (:data:`LEGACY_PROBE_NAMES`)."""
+    legacy = {old for old, new in LEGACY_PROBE_NAMES.items()
+              if not any(f"outliers/{new}" in r for r in records.values())}
+    if metric in legacy:
+        return None
+    return next((old for old, new in LEGACY_PROBE_NAMES.items() if new == metric and old in legacy), metric)
 
 
 def point_row(sweep_dir: Path, entry: dict[str, Any], axes: list[str]) -> dict[str, Any]:
@@ -69,9 +81,9 @@ def point_row(sweep_dir: Path, entry: dict[str, Any], axes: list[str]) -> dict[s
     metrics = folder / "metrics.jsonl"
     records = read_metrics(metrics) if metrics.is_file() else {}
     steps = sorted(records)
-    val = [(s, _num(records[s].get("val_loss"))) for s in steps if _num(records[s].get("val_loss")) is not None]
-    train = [(s, _num(records[s].get("loss"))) for s in steps if _num(records[s].get("loss")) is not None]
-    tps = [_num(records[s].get("tokens_per_second")) for s in steps if s > 1]
+    val = [(s, num(records[s].get("val_loss"))) for s in steps if num(records[s].get("val_loss")) is not None]
+    train = [(s, num(records[s].get("loss"))) for s in steps if num(records[s].get("loss")) is not None]
+    tps = [num(records[s].get("tokens_per_second")) for s in steps if s > 1]
     tps = [t for t in tps if t is not None]
     row["final_val_loss"] = val[-1][1] if val else None
     row["best_val_loss"] = min(v for _, v in val) if val else None
@@ -79,25 +91,30 @@ def point_row(sweep_dir: Path, entry: dict[str, Any], axes: list[str]) -> dict[s
     row["wall_s"] = round(st["wall_s"], 2) if st["wall_s"] else None
     row["tokens_per_s"] = statistics.median(tps) if tps else None
     for m in PROBE_METRICS:
-        series = [_num(records[s].get(f"outliers/{m}")) for s in steps]
+        key = logged_key(records, m)
+        if key is None:
+            continue
+        series = [num(records[s].get(f"outliers/{key}")) for s in steps]
         series = [v for v in series if v is not None]
         if series:
             row[f"final_{m}"] = series[-1]
             row[f"peak_{m}"] = max(series)
     report = _newest_eval(folder)
     osp = (report or {}).get("osp_kurtosis", {})
-    if _num(osp.get("osp_kurtosis")) is not None:  # Park et al. 2025's measure (observe/osp_kurtosis.py)
-        row["eval_osp_kurtosis"] = _num(osp["osp_kurtosis"])
+    if num(osp.get("osp_kurtosis")) is not None:  # Park et al. 2025's measure (observe/osp_kurtosis.py)
+        row["eval_osp_kurtosis"] = num(osp["osp_kurtosis"])
     if report is not None:  # the code that evaluated the point ("" for a report made before reports recorded it)
         row["eval_code"] = report.get("code") or ""
+        row["eval_versions"] = (f"Python {report['python']}, torch {report['torch']}" if report.get("python")
+                                else "")
     if (report or {}).get("updated"):  # schemes re-run later with `scripts/evaluate.py --update` (not a column)
         row["eval_updated"] = report["updated"]
     for e in (report or {}).get("schemes", []):
-        row[f"ptq_delta_ppl_{e['scheme']}"] = _num(e.get("delta"))
+        row[f"ptq_delta_ppl_{e['scheme']}"] = num(e.get("delta"))
         if "rotation" in e and "ptq_rotation" not in row:  # what a rotated (_hadamard) scheme did to this model
             row["ptq_rotation"] = e["rotation"].get("residual_rotation")
         if len(e.get("ppl_runs", [])) > 1:  # calibrated schemes: the spread over calibration seeds
-            row[f"ptq_calib_sd_{e['scheme']}"] = _num(e.get("ppl_std"))
+            row[f"ptq_calib_sd_{e['scheme']}"] = num(e.get("ppl_std"))
     return row
 
 

@@ -40,7 +40,8 @@ from outlier_titan.errors import UserError
 from outlier_titan.exit_codes import STOPPED
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.packaged import child_environment
-from outlier_titan.provenance import code_version
+from outlier_titan.data.sources import embedded_fingerprint
+from outlier_titan.provenance import code_version, runtime_versions
 from outlier_titan.study.plan import point_dir
 
 STATE = "sweep_state.json"
@@ -230,6 +231,10 @@ class PointRun:
         self.command = command
         self.env = env
         self.proc: subprocess.Popen | None = None
+        # the embedded corpus is this interpreter's standard library: its fingerprint names the data (the
+        # trainer runs under the same interpreter); other sources are named by their config
+        source = point_config(entry).get("data", {}).get("source", "embedded")
+        self.corpus = embedded_fingerprint() if primary and source == "embedded" else None
 
     def start(self) -> None:
         folder = self.folder
@@ -258,9 +263,13 @@ class PointRun:
         if self.primary:
             # the code of every attempt (a resumed point may have run on two versions): the report states them
             codes, code = self.state.get("code", []), code_version()
+            versions, now = self.state.get("versions", []), runtime_versions()
             self.state.update(status="running", pid=self.proc.pid, host=socket.gethostname(), started=self.t0,
                               attempts=self.state.get("attempts", 0) + 1, error="",
-                              code=codes + [code] if code not in codes[-1:] else codes)
+                              code=codes + [code] if code not in codes[-1:] else codes,
+                              versions=versions + [now] if now not in versions[-1:] else versions)
+            if self.corpus is not None and self.corpus not in self.state.get("corpus", [])[-1:]:
+                self.state["corpus"] = self.state.get("corpus", []) + [self.corpus]
             write_state(folder, self.state)
 
     def poll(self) -> int | None:

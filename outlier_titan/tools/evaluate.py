@@ -39,7 +39,7 @@ import torch
 
 from outlier_titan import cli
 from outlier_titan.errors import UserError
-from outlier_titan.provenance import code_version
+from outlier_titan.provenance import code_version, runtime_versions
 from outlier_titan.quant.ptq import SCHEMES, check_schemes, scheme_help
 
 
@@ -89,7 +89,8 @@ def merge_update(old: dict, new: dict, schemes: list[str], where: Path) -> dict:
                         f"{where}: another model or data; write a new report (--out) instead")
     rows = {e["scheme"]: e for e in new["schemes"]}
     merged = [rows.pop(e["scheme"], e) for e in old["schemes"]] + list(rows.values())
-    stamp = {"schemes": schemes, "at": time.strftime("%Y-%m-%d %H:%M:%S"), "code": new.get("code")}
+    stamp = {"schemes": schemes, "at": time.strftime("%Y-%m-%d %H:%M:%S"), "code": new.get("code"),
+             "python": new.get("python"), "torch": new.get("torch")}
     return {**old, "schemes": merged, "updated": [*old.get("updated", []), stamp]}
 
 
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                                     calib_batches=calib, schemes=schemes, calib_seeds=range(args.calib_seeds),
                                     device=device, probe=previous is None)  # --update keeps the old probe
     report = {"checkpoint": str(ckpt), "run": str(run_dir), **report, "tokens_requested": args.tokens,
-              "calibration": calibration, "code": code_version()}
+              "calibration": calibration, "code": code_version(), **runtime_versions()}
     m = re.match(r"step-(\d+)$", ckpt.name)
     if m:
         report["step"] = int(m.group(1))
