@@ -29,15 +29,16 @@ def git_commit() -> str | None:
 
 
 def code_version() -> str:
-    """``<12-hex commit>`` or ``<commit>+dirty`` (tracked files changed; untracked ones are ignored), else
-    ``outlier_titan <version>``. Not cached: a checkout may change under a long sweep, and each attempt records
-    what its trainer ran."""
+    """``<12-hex commit>`` or ``<commit>+dirty`` (tracked files changed; untracked ones are ignored, and so are the
+    committed reports under ``reports/``: results the tools write, not code, so re-rendering one report does not
+    mark the next as made by uncommitted code), else ``outlier_titan <version>``. Not cached: a checkout may change
+    under a long sweep, and each attempt records what its trainer ran."""
     commit = git_commit()
     if commit is None:
         from outlier_titan import __version__
 
         return f"outlier_titan {__version__}"
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)reports")
     return commit[:12] + ("+dirty" if dirty else "")
 
 

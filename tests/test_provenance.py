@@ -31,10 +31,14 @@ def test_code_version_is_the_commit_dirty_only_for_changed_tracked_files(checkou
     assert provenance.code_version() == f"outlier_titan {__version__}"  # not a git checkout: the version
     _git(checkout, "init", "-q")
     (checkout / "a.py").write_text("x = 1\n")
-    _git(checkout, "add", "a.py")
+    (checkout / "reports").mkdir()
+    (checkout / "reports" / "report.md").write_text("a committed report\n")
+    _git(checkout, "add", "a.py", "reports")
     _git(checkout, "commit", "-q", "-m", "one")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout.strip()
     (checkout / "untracked.txt").write_text("run outputs\n")
+    assert provenance.code_version() == head[:12]
+    (checkout / "reports" / "report.md").write_text("re-rendered\n")  # results the tools write, not code
     assert provenance.code_version() == head[:12]
     (checkout / "a.py").write_text("x = 2\n")
     assert provenance.code_version() == head[:12] + "+dirty"
