@@ -127,7 +127,11 @@ def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path, request):
     # the header names the corpus, the model, the tokens and the versions
     assert "**Corpus**: the Python " in report and "standard library source" in report and "SHA-256" in report
     assert "**Models**:" in report and "parameters" in report and "tokens a point" in report
-    assert f"**Versions**: training: Python {platform.python_version()}, torch {torch.__version__}" in report
+    here = f"Python {platform.python_version()}, torch {torch.__version__}"
+    assert f"**Versions**: training: {here} ({len(planned)} points); evaluation: {here} ({len(planned)} points)" \
+        in report
+    state = json.loads((sweep_dir / "points" / planned[0].name / "sweep_state.json").read_text())
+    assert state["corpus"][-1]["python"] == platform.python_version() and len(state["corpus"][-1]["sha256"]) == 16
     # the added 4-bit columns are marked as such
     assert "w4a4kv4_rtn (added)" in report and "no verdict rests on them" in report
     # running again re-uses the finished points and evaluations

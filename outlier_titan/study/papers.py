@@ -143,7 +143,7 @@ SINKS = SuiteInfo(
     citation="Zuhri et al. 2025 (arXiv 2504.20966); Gu et al. 2024 (arXiv 2410.10781); Qiu et al. 2025 (arXiv "
              "2505.06708); Ramapuram et al. 2024 (arXiv 2409.04431); Guo et al. 2024 (arXiv 2410.13835); "
              "Bondarenko et al. 2023 (arXiv 2306.12929); Kaul et al., ICLR 2025",
-    metrics={"ppl": "PPL", "sink_rate": "Sink^0.3 (Gu et al.)", "sink_rate_pooled": "Sink^0.3 pooled (ours)",
+    metrics={"ppl": "PPL", "sink_rate": "Sink^0.3", "sink_rate_pooled": "pooled Sink^0.3",
              "first_share": "%First", "massive_ratio": "top-1 / median",
              "value_drain": "value drain", "d_int8_coarse": "Δppl int8 coarse"},
     rows=[

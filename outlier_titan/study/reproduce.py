@@ -93,11 +93,15 @@ def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, 
 
     from outlier_titan.study.runner import is_finished, trainer_environment
 
+    from outlier_titan.study.runner import read_state
+
     a = EVAL_ARGS[scale]
     todo = []
     for e in manifest["points"]:
         folder = point_dir(sweep_dir, e["name"])
         if not is_finished(folder, e) or _evaluated(folder / "eval" / f"step-{e['steps']}.json", info.all_schemes):
+            continue
+        if read_state(folder).get("adopted_from"):  # no checkpoint here: its evaluation is the adopted one
             continue
         todo.append((e["name"], folder, [
             sys.executable, "-m", "outlier_titan.tools.evaluate", "--checkpoint",
@@ -136,7 +140,7 @@ ANATOMY_FILES = ("anatomy.md", "anatomy.json")  # what scripts/anatomy.py writes
 
 
 def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, schemes: tuple[str, ...],
-                 scale: str) -> tuple[list[str], list[str]]:
+                 scale: str, as_evaluated: bool = False) -> tuple[list[str], list[str]]:
     """Takes over the finished, evaluated points of an earlier run from its report folder (``source/runs/<point>/``,
     written on this or another machine), so a suite too long for one machine's session can be finished in parts,
     and a study can take the points it shares with another suite. A planned point that is unfinished here takes
@@ -146,6 +150,10 @@ def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, scheme
     (with the hidden-state picture, where the report kept one) are copied into the run folder, whose
     ``sweep_state.json`` keeps the original record plus ``adopted_from``. An adopted point has no checkpoint: it
     is neither trained nor evaluated again.
+
+    ``as_evaluated``: re-rendering a report from its own runs: a point's evaluation report is taken as it was made
+    (schemes added to the suite since then print as missing; other evaluation settings are kept), only its config
+    and its finished run are checked.
 
     Returns (adopted point names, one line per run of the same name that was not adopted, saying why)."""
     from outlier_titan.study.plan import _config_diff, _defaults, _optimizer_owners
@@ -168,8 +176,10 @@ def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, scheme
             return "its config differs from the suite's: " + "; ".join(diff)
         if read_state(src).get("status") != "done" or not run_is_complete(src / "metrics.jsonl", e):
             return "its run did not finish"
-        if not _evaluated(src / f"step-{steps}.json", schemes):
+        if not _evaluated(src / f"step-{steps}.json", () if as_evaluated else schemes):
             return f"its evaluation report step-{steps}.json is missing or lacks a scheme of the suite"
+        if as_evaluated:
+            return ""
         ev = json.loads((src / f"step-{steps}.json").read_text())
         cal = ev.get("calibration", {})
         if (ev.get("tokens_requested"), cal.get("batches"), cal.get("seeds")) != \
@@ -461,9 +471,11 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     if suite == "sinks2025":
         lines += ["## Summary: each remedy against the softmax baseline of its optimizer", "",
                   "Each cell: mean ± sd over seeds at the last probe step, and in brackets the verdict below in "
-                  "short (removed: the t-interval over seeds lies at or below 0.05 and the val loss costs at most "
-                  "2 %; kept or costly: the interval lies wholly above 0.05 or the loss costs more; no baseline "
-                  "sink: that optimizer's softmax interval does not lie above 0.05).", ""]
+                  "short (removed: the t-interval over seeds lies at or below 0.05, and the val loss costs at "
+                  "most 2 %, else the loss cost is named; kept: the interval lies wholly above 0.05; no baseline "
+                  "sink: that optimizer's softmax interval does not lie above 0.05). Sink^0.3 is Gu et al. 2024's "
+                  "(per sequence, then averaged); pooled Sink^0.3 is the form the probe logged until 2026-11-28 "
+                  "(averaged over sequences before the threshold), the only one runs of that time have.", ""]
         lines += sinks_table(groups) + [""]
     claims = CLAIMS[suite](groups)
     lines += ["## Verdicts", "", RULES_TEXT, ""]

@@ -17,7 +17,9 @@ gpu; kaul2024 and sinks2025 also synthetic; kaul2024 and he2024 also search and 
 finished points and evaluations. ``--adopt DIR`` takes over the finished, evaluated points of a report folder
 written by an earlier run (on any machine, e.g. committed after a part of the suite ran, or another suite's report
 that ran the same configs), so a suite can be run in parts; each adopted point's config is checked against the
-suite's. See ``outlier_titan/study/reproduce.py``.
+suite's. ``--report-only --adopt reports/X --out reports/X`` re-renders a committed report from its own runs (as
+they were evaluated) with the current report code, and refuses before writing anything if a point would be lost.
+See ``outlier_titan/study/reproduce.py``.
 """
 
 from __future__ import annotations
@@ -102,12 +104,18 @@ def run(args: argparse.Namespace) -> int:
         from outlier_titan.study.reproduce import adopt_points
 
         for src in args.adopt:
+            # --report-only --adopt R --out R re-renders R from its own runs, as they were evaluated
+            in_place = args.report_only and Path(src).resolve() == out.resolve()
             adopted, refused = adopt_points(sweep_dir, manifest, Path(src), SUITE_INFO[args.suite].all_schemes,
-                                            args.scale)
+                                            args.scale, as_evaluated=in_place)
             print(f"adopted {len(adopted)} finished point(s) from {src}"
                   + (f": {', '.join(adopted)}" if adopted else ""), file=sys.stderr)
             for line in refused:
                 print(f"not adopted: {line}", file=sys.stderr)
+            if in_place and refused:
+                raise UserError(f"re-rendering {out} in place would drop {len(refused)} of its points (above: their "
+                                f"configs differ from the suite file's or their runs did not finish); the report "
+                                f"is left as it was")
     if not args.report_only:
         if args.slurm:
             cmd = [sys.executable, "-m", "outlier_titan.tools.sweep", "run", str(sweep_dir), "--slurm",
