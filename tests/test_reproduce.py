@@ -360,6 +360,29 @@ def test_a_suite_finished_in_parts_adopts_the_earlier_parts_points_from_their_re
     assert _rows(tmp_path / "report-c")["ngpt"]["final_val_loss"] == rows["ngpt"]["final_val_loss"]
 
 
+def test_a_report_re_renders_in_place_from_its_own_runs_and_never_loses_a_point(tmp_path, franke_smoke):
+    """--report-only --adopt R --out R: the report is written again from its runs (numbers unchanged, its own folder
+    not named as a source); a point whose recorded config no longer matches the suite makes it refuse before
+    writing anything."""
+    import shutil
+
+    report = tmp_path / "report"
+    shutil.copytree(franke_smoke[1], report)
+    rows, before = _rows(report), (report / "report.md").read_text()
+    proc = _run("--suite", "franke2025", "--scale", "smoke", "--sweep-dir", str(tmp_path / "a"), "--out", str(report),
+                "--adopt", str(report), "--report-only")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = (report / "report.md").read_text()
+    assert _rows(report) == rows and "adopted from its report folder" not in again
+    assert again.split("## Verdicts")[1] == before.split("## Verdicts")[1]
+    cfg = report / "runs" / "angpt" / "config.toml"
+    cfg.write_text(re.sub(r"(?m)^lr = .*$", "lr = 0.5", cfg.read_text(), count=1))
+    proc = _run("--suite", "franke2025", "--scale", "smoke", "--sweep-dir", str(tmp_path / "b"), "--out", str(report),
+                "--adopt", str(report), "--report-only")
+    assert proc.returncode == 2 and "would drop 1 of its points" in proc.stderr
+    assert (report / "report.md").read_text() == again
+
+
 def test_adopt_refuses_a_folder_that_is_not_a_report(tmp_path):
     proc = _run("--suite", "franke2025", "--scale", "smoke", "--sweep-dir", str(tmp_path / "s"), "--adopt",
                 str(tmp_path / "nowhere"))
