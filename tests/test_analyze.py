@@ -100,6 +100,9 @@ def test_figure_axes_titles_and_seed_bands(tmp_path, capsys):
 def test_missing_metrics_file(tmp_path):
     with pytest.raises(SystemExit, match="metrics.jsonl not found"):
         analyze().main([str(tmp_path), "--out", str(tmp_path / "x.png")])
+    run = write_run(tmp_path / "adamw_s0", 1.0, "adamw")
+    with pytest.raises(SystemExit, match="given more than once; name each run once"):
+        analyze().main([str(run), str(tmp_path / "." / "adamw_s0"), "--out", str(tmp_path / "x.png")])
 
 
 def test_read_metrics_keeps_the_last_run_of_each_step_after_a_resume(tmp_path):

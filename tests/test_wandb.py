@@ -26,10 +26,11 @@ def wandb_records(run_file) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
-def test_offline_run_holds_the_scalars_images_and_config_and_a_resume_continues_it(tmp_path, monkeypatch):
+def test_offline_run_holds_the_scalars_images_and_config_and_a_resume_on_two_ranks_continues_it(tmp_path,
+                                                                                                  monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     train(tmp_path, *RUN, "--training.steps", "4").check()
-    resumed = train(tmp_path, *RUN, "--training.steps", "6").check()
+    resumed = train(tmp_path, *RUN, "--training.steps", "6", nproc=2).check()  # rank 0 alone logs to W&B
     assert "resumed from" in resumed.stdout
     run_dir = resumed.run_dir
     run_id = (run_dir / "wandb_run_id").read_text().strip()

@@ -106,6 +106,10 @@ def seed_key(run_dir: Path) -> str | None:
 def group_runs(run_dirs: list[Path]) -> dict[str, list[dict[int, dict]]]:
     """label -> the records of each run of the group, in the order given; a group's label is its folders' common
     name without a trailing seed suffix (``pre_ln_adamw_s0``, ``_s1`` -> ``pre_ln_adamw``)."""
+    seen = [d.resolve() for d in run_dirs]
+    for d in run_dirs:
+        if seen.count(d.resolve()) > 1:
+            raise SystemExit(f"error: run folder {d} is given more than once; name each run once")
     groups: dict[object, list[Path]] = {}
     for i, run_dir in enumerate(run_dirs):
         key = seed_key(run_dir)
