@@ -268,7 +268,7 @@ class Trainer:
                 print(f"config changed: the previous record is kept as {self.run_dir / kept}", flush=True)
 
         on_rank0(record, self._cpu_group())
-        self.logger = MetricsLogger(self.run_dir, self.rank, cfg.metrics.tensorboard)
+        self.logger = MetricsLogger(self.run_dir, self.rank, cfg.metrics.tensorboard, self._start_wandb())
         if resume_step is not None:
             self.logger.mark_resume(resume_step)
             self.log0(f"resumed from {self.checkpointer.folder / f'step-{resume_step}'}")
@@ -277,6 +277,16 @@ class Trainer:
         self.preempted = False  # some rank received a stop signal (reduced over ranks)
         self.tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
         self.cross_entropy = torch.compile(cross_entropy_sum) if cfg.compile.enable else cross_entropy_sum
+
+    def _start_wandb(self):
+        """Rank 0's W&B run with ``metrics.wandb`` (None elsewhere, when off, or when it cannot start)."""
+        if not (self.cfg.metrics.wandb and self.rank == 0):
+            return None
+        from outlier_titan.config.manager import tomllib
+        from outlier_titan.observe.wandb_logger import start_wandb
+
+        return start_wandb(self.run_dir, self.cfg.metrics, self.cfg.job.name, tomllib.loads(self.config_toml),
+                           resuming=self.resumed_step is not None)
 
     def build_loader(self, split: str, global_batch_size: int, micro_batch_size: int):
         """This DP rank's loader of ``split`` (see ``data.build_dataloader``)."""
@@ -573,7 +583,7 @@ class Trainer:
 
     def abort(self) -> None:
         """After an error during training: closes the record and releases the run folder (no collectives)."""
-        self.logger.close()
+        self.logger.close(exit_code=1)
         if self.rank == 0:
             self.run.release()
 

@@ -15,8 +15,13 @@ def analyze():
     return importlib.import_module("outlier_titan.tools.analyze")
 
 
-def write_run(folder: Path, kurt_scale: float) -> Path:
+def write_run(folder: Path, kurt_scale: float, optimizer: str | None = None, seed: int = 0) -> Path:
+    """A run folder with synthetic records; with ``optimizer`` also a config.toml (runs of one optimizer differ only
+    in their seed and name)."""
     folder.mkdir(parents=True)
+    if optimizer is not None:
+        (folder / "config.toml").write_text(f'[job]\nname = "{folder.name}"\n\n[optimizer]\nname = "{optimizer}"\n\n'
+                                            f'[training]\nsteps = 100\nseed = {seed}\n')
     lines = []
     for step in range(0, 101, 10):
         lines.append({"step": step, "loss": 5.0 - step / 50, "lr": 1e-3, "grad_norm": 1.0,
@@ -58,9 +63,46 @@ def test_two_runs_side_by_side_png(tmp_path, capsys):
     assert "| val_loss | 3.5 (step 100) | 3.5 (step 100) |" in table  # drawn dashed on the loss panel
 
 
+def test_axes_are_linear_unless_a_metric_spans_more_than_a_decade():
+    a = analyze()
+    assert not a.log_axis([2.70, 2.75, 2.88])  # the narrow kurtosis range a log axis labelled 2.7 x 10^0
+    assert not a.log_axis([1.0, 10.0])  # one decade exactly
+    assert a.log_axis([1.0, 10.5])
+    assert not a.log_axis([-1.0, 100.0]) and not a.log_axis([0.0, 100.0]) and not a.log_axis([])
+    assert a.log_axis([1.0, float("nan"), 50.0])
+
+
+def test_figure_axes_titles_and_seed_bands(tmp_path, capsys):
+    a = analyze()
+    runs = [write_run(tmp_path / f"adamw_s{seed}", scale, "adamw", seed) for seed, scale in enumerate((1.0, 2.0, 3.0))]
+    runs.append(write_run(tmp_path / "orthoadam_s0", 0.001, "orthoadam"))
+    groups = a.group_runs(runs)
+    assert list(groups) == ["adamw", "orthoadam_s0"] and len(groups["adamw"]) == 3
+    fig = a.draw(groups, ["kurtosis_rest", "kurtosis_first"], ["residual_rms"])
+    panels = {ax.get_title().split("\n")[0]: ax for ax in fig.axes if ax.get_title()}
+    # kurtosis_rest is 3.0 everywhere, kurtosis_first spans 0.001 to 303, residual_rms per layer 101 to 303
+    assert {t: ax.get_yscale() for t, ax in panels.items()} == {
+        "loss": "linear", "kurtosis_rest": "linear", "kurtosis_first": "log",
+        "residual_rms per layer (last probe)": "linear"}
+    assert all(ax.get_title().endswith("\nlower is better") for ax in panels.values())
+    first = panels["kurtosis_first"]
+    assert [line.get_label() for line in first.get_lines()] == ["adamw (3 seeds)", "orthoadam_s0"]
+    assert list(first.get_lines()[0].get_ydata()) == [2.0, 102.0, 202.0]  # the seeds' mean
+    (band,) = first.collections  # one band: the group of three; a single run has none
+    assert band.get_paths()[0].vertices[:, 1].min() == 1.0 and band.get_paths()[0].vertices[:, 1].max() == 303.0
+    table = a.summary(groups, ["kurtosis_first"])
+    assert "| outliers/kurtosis_first | 202 [101, 303] (step 100) | 0.101 (step 100) |" in table
+    out = tmp_path / "compare.png"
+    assert a.main([*map(str, runs), "--out", str(out), "--metrics", "kurtosis_first"]) == 0
+    assert "| metric | adamw | orthoadam_s0 |" in capsys.readouterr().out and out.is_file()
+
+
 def test_missing_metrics_file(tmp_path):
     with pytest.raises(SystemExit, match="metrics.jsonl not found"):
         analyze().main([str(tmp_path), "--out", str(tmp_path / "x.png")])
+    run = write_run(tmp_path / "adamw_s0", 1.0, "adamw")
+    with pytest.raises(SystemExit, match="given more than once; name each run once"):
+        analyze().main([str(run), str(tmp_path / "." / "adamw_s0"), "--out", str(tmp_path / "x.png")])
 
 
 def test_read_metrics_keeps_the_last_run_of_each_step_after_a_resume(tmp_path):

@@ -281,6 +281,39 @@ def test_export_to_hf_of_a_model_hf_lacks_is_refused(tmp_path):
     assert (tmp_path / "out" / "keep.txt").read_text() == "x"
 
 
+# Loads an HF folder in a fresh process (transformers warns once per process) with Python warnings as errors and
+# transformers' own warnings (its logger) collected; prints the generation config's BOS / EOS ids.
+LOAD_WITHOUT_WARNINGS = """
+import logging, sys, warnings
+warnings.simplefilter("error")
+import transformers
+said = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+transformers.logging.get_logger().addHandler(Keep(logging.WARNING))
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])
+print(model.generation_config.bos_token_id, model.generation_config.eos_token_id)
+sys.exit("transformers warned: " + " | ".join(said) if said else 0)
+"""
+
+
+@pytest.mark.parametrize("source", ["debug", "debug_llama", "hf folder without a tokenizer"])
+def test_export_carries_our_special_tokens_and_loads_without_warnings(tmp_path, source):
+    if source.startswith("hf"):
+        folder, eos = tiny_gpt2(tmp_path / "gpt2"), None
+    else:
+        folder, eos = tmp_path / "run", 4095  # the embedded BPE's <|endoftext|>
+        _save_dcp_checkpoint(folder, ["--model.flavor", source])
+    assert export_model(folder, tmp_path / "out", "hf")[0] == "hf"
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["bos_token_id"] == config["eos_token_id"] == eos
+    load = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_WARNINGS, str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=300)
+    assert load.returncode == 0, load.stderr[-3000:]
+    assert load.stdout.split() == [str(eos)] * 2
+
+
 def _corpus(folder: Path, n_docs: int = 6, words: int = 3000) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)

@@ -211,6 +211,13 @@ class Compile:
 class Metrics:
     log_every: int = opt(10, "Log loss/lr/grad norm/throughput every N steps.")
     tensorboard: bool = opt(True, "Write TensorBoard events under <run>/tb.")
+    wandb: bool = opt(False, "Also log to Weights & Biases (pip install 'outlier_titan[wandb]'; rank 0): the same "
+                             "scalars, the probe's pictures and the config; a resumed run continues its W&B run "
+                             "(id in <run>/wandb_run_id). WANDB_MODE=offline writes <run>/wandb/ for 'wandb sync'.")
+    wandb_project: str = opt("outlier_titan", "W&B project.")
+    wandb_entity: str = opt("", "W&B entity (team or user); empty: your default entity.")
+    wandb_run_name: str = opt("", "W&B run name; empty: job.name.")
+    wandb_group: str = opt("", "W&B group of the run (e.g. a sweep's name); empty: none.")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Models out of the stack: any stored model (a run's DCP checkpoint, our export or an HF folder) written as an HF
-folder (``pre_ln`` models shaped like GPT-2 or Llama) or as our safetensors export (every spec), with the run's BPE
-file as ``tokenizer.tiktoken`` when it has one. ``outlier-titan-export`` is its command line."""
+folder (``pre_ln`` models shaped like GPT-2 or Llama, with the tokenizer's end-of-text id as BOS / EOS) or as our
+safetensors export (every spec), with the run's BPE file as ``tokenizer.tiktoken`` when it has one.
+``outlier-titan-export`` is its command line."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ def _tokenizer_file(spec: str) -> Path | None:
     return Path(spec).expanduser() if Path(spec).expanduser().is_file() else None
 
 
+def special_tokens(tok) -> dict[str, int | None]:
+    """``config.json``'s special tokens: our documents end with the tokenizer's end-of-text token, which also
+    starts the next one (GPT-2's convention), so it is both BOS and EOS; None without a tokenizer (not the
+    ``transformers`` config classes' defaults, e.g. GPT-2's 50256, outside a smaller vocabulary)."""
+    eos = tok.eos_id if tok is not None else None
+    return {"bos_token_id": eos, "eos_token_id": eos}
+
+
 def export_model(source: str | Path, out: str | Path, fmt: str = "auto",
                  max_shard_bytes: int = 5 * 2**30) -> tuple[str, list[Path]]:
     """Writes the model stored at ``source`` to ``out`` as an HF folder or as our safetensors export.
@@ -49,8 +58,8 @@ def export_model(source: str | Path, out: str | Path, fmt: str = "auto",
         raise HFError(f"cannot export to HF: {why}; use --format safetensors (weights + config.toml)")
     fmt = "hf" if fmt == "auto" and adapter is not None else ("safetensors" if fmt == "auto" else fmt)
     if fmt == "hf":
-        files = write_hf_folder(out, adapter.hf_config(args) | {"torch_dtype": "float32"}, adapter.to_hf(state, args),
-                                max_shard_bytes)
+        config = adapter.hf_config(args) | {"torch_dtype": "float32"} | special_tokens(tok)
+        files = write_hf_folder(out, config, adapter.to_hf(state, args), max_shard_bytes)
     else:
         files = write_export_folder(out, state, to_toml(cfg), cfg.model.name)
     tok_file = _tokenizer_file(cfg.data.tokenizer) if tok is not None else None

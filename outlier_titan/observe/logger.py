@@ -1,4 +1,5 @@
-"""Training metrics: one console line, ``metrics.jsonl`` and TensorBoard, written by rank 0.
+"""Training metrics: one console line, ``metrics.jsonl``, TensorBoard and (optionally) Weights & Biases, written by
+rank 0.
 
 Every ``metrics.jsonl`` record carries ``time`` (Unix wall-clock seconds) and ``elapsed`` (seconds since this
 process's logger was created, i.e. since the start of this launch; a resumed run starts again from 0).
@@ -15,10 +16,13 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from outlier_titan.observe.wandb_logger import WandbLogger
 
 # Dense bf16 peak FLOP/s by device-name substring, most specific first.
 PEAK_BF16_FLOPS = (
@@ -59,13 +63,15 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    """Writes scalars (and images) for logged steps. Only rank 0 writes; other ranks no-op."""
+    """Writes scalars (and images) for logged steps. Only rank 0 writes; other ranks no-op. ``wandb``: rank 0's
+    open W&B run (``observe.wandb_logger.start_wandb``), or None."""
 
-    def __init__(self, run_dir: Path, rank: int, tensorboard: bool):
+    def __init__(self, run_dir: Path, rank: int, tensorboard: bool, wandb: WandbLogger | None = None):
         self.enabled = rank == 0
         self.t0 = time.perf_counter()
         self.jsonl = None
         self.tb = None
+        self.wandb = wandb
         if not self.enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -90,6 +96,8 @@ class MetricsLogger:
             for k, img in (images or {}).items():
                 self.tb.add_image(k, img, step, dataformats="HWC")
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(step, scalars, images or {})
         if console:
             print(console, flush=True)
 
@@ -101,12 +109,15 @@ class MetricsLogger:
         self.jsonl.write(json.dumps({"event": "resume", "step": step, "time": time.time()}) + "\n")
         self.jsonl.flush()
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """Closes the files and ends the W&B run (``exit_code`` non-zero: marked failed)."""
         if self.jsonl is not None:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
-        self.jsonl = self.tb = None
+        if self.wandb is not None:
+            self.wandb.close(exit_code)
+        self.jsonl = self.tb = self.wandb = None
 
 
 def read_metrics(path: Path) -> dict[int, dict]:

@@ -6,12 +6,17 @@
 Each RUN_DIR must hold ``metrics.jsonl`` (one JSON object per logged step; records of the same step are
 merged). Panels: the training loss (solid) with the validation loss (dashed, where logged), each outlier
 metric (layer means, ``outliers/<name>``) against the step, and per-layer profiles at the last probe step
-(``outliers/layer_<i>/<name>``). Each run is one line, labelled with its folder name. Also prints the last value of every plotted metric per run.
+(``outliers/layer_<i>/<name>``). Runs whose ``config.toml`` differ only in ``training.seed`` (and ``[job]``) form
+one group, drawn as the mean over its seeds with a band from their minimum to their maximum (at the steps all
+of them logged); any other run is one line. Each panel's title says which direction is better where the metric
+has one; its y axis is logarithmic only when the values span more than a decade. Also prints the last value of
+every plotted metric per group (mean, and the seeds' range).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -20,15 +25,23 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import LogFormatter  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 from outlier_titan import cli  # noqa: E402
+from outlier_titan.config.manager import tomllib  # noqa: E402
 from outlier_titan.observe.logger import read_metrics  # noqa: E402
 
 DEFAULT_METRICS = ("kurtosis_first", "kurtosis_rest", "kurtosis_neuron_rms", "max_abs_first", "max_abs_rest",
                    "max_median_ratio", "signal_prop_cos", "first_token_argmax_share",
                    "first_token_attention_mass", "residual_rms")
 DEFAULT_PROFILES = ("residual_rms", "kurtosis_neuron_rms")
-LOG_SCALE = ("kurtosis", "max_abs", "max_median", "residual")
+# The direction in which a metric is better, by the start of its name (after outliers/, head_input/, layer_<i>/):
+# outlier features and attention sinks are what the project's remedies reduce.
+LOWER_IS_BETTER = ("loss", "val_loss", "kurtosis", "max_abs", "max_median", "massive", "signal_prop", "first_token",
+                   "sink_rate", "residual", "norm_ratio", "dormant_head")
+HIGHER_IS_BETTER = ("attention_entropy",)
 LAYER_RE = re.compile(r"^outliers/layer_(\d+)/(.+)$")
 
 
@@ -64,40 +77,114 @@ def layer_profile(records: dict[int, dict], metric: str) -> tuple[int | None, li
     return None, [], []
 
 
-def plot(runs: dict[str, dict[int, dict]], metrics: list[str], profiles: list[str], out: Path) -> None:
+def better(metric: str) -> str:
+    """``'lower is better'``, ``'higher is better'`` or ``''`` (no direction) for a metric name."""
+    name = metric.rsplit("/", 1)[-1]
+    if name.startswith(LOWER_IS_BETTER):
+        return "lower is better"
+    return "higher is better" if name.startswith(HIGHER_IS_BETTER) else ""
+
+
+def log_axis(values) -> bool:
+    """A logarithmic axis only for positive values that span more than a decade."""
+    values = [v for v in values if math.isfinite(v)]
+    return bool(values) and min(values) > 0 and max(values) > 10 * min(values)
+
+
+def seed_key(run_dir: Path) -> str | None:
+    """The run's config without ``[job]`` and ``training.seed`` (runs with equal keys are seeds of one
+    setting), or None when the run folder has no readable ``config.toml``."""
+    try:
+        cfg = tomllib.loads((run_dir / "config.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    cfg.pop("job", None)
+    cfg.get("training", {}).pop("seed", None)
+    return repr(sorted((k, sorted(v.items()) if isinstance(v, dict) else v) for k, v in cfg.items()))
+
+
+def group_runs(run_dirs: list[Path]) -> dict[str, list[dict[int, dict]]]:
+    """label -> the records of each run of the group, in the order given; a group's label is its folders' common
+    name without a trailing seed suffix (``pre_ln_adamw_s0``, ``_s1`` -> ``pre_ln_adamw``)."""
+    seen = [d.resolve() for d in run_dirs]
+    for d in run_dirs:
+        if seen.count(d.resolve()) > 1:
+            raise SystemExit(f"error: run folder {d} is given more than once; name each run once")
+    groups: dict[object, list[Path]] = {}
+    for i, run_dir in enumerate(run_dirs):
+        key = seed_key(run_dir)
+        groups.setdefault(i if key is None else key, []).append(run_dir)
+    out: dict[str, list[dict[int, dict]]] = {}
+    for members in groups.values():
+        names = [d.resolve().name for d in members]
+        label = names[0]
+        if len(names) > 1:
+            label = re.sub(r"[_-]+(s|seed)?$", "", os.path.commonprefix(names)) or names[0]
+        while label in out:
+            label += "'"
+        out[label] = [read_run(d) for d in members]
+    return out
+
+
+def seed_band(curves: list[tuple[list, list[float]]]) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+    """(x, mean, min, max) over several runs' curves ``(xs, ys)`` at the x values all of them have."""
+    common = sorted(set.intersection(*(set(xs) for xs, _ in curves))) if curves else []
+    if not common:
+        return [], np.array([]), np.array([]), np.array([])
+    vals = np.array([[dict(zip(xs, ys))[x] for x in common] for xs, ys in curves])
+    return common, vals.mean(0), vals.min(0), vals.max(0)
+
+
+def _draw_group(ax, curves, label: str, n: int, **style):
+    """The group's mean line (and, with several runs, its min-max band); the line, or None when nothing is common."""
+    xs, mean, lo, hi = seed_band(curves)
+    if not xs:
+        return None
+    line, = ax.plot(xs, mean, marker="o" if len(xs) < 30 else None, ms=3, label=label, **style)
+    if n > 1:
+        ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
+    return line
+
+
+def draw(groups: dict[str, list[dict[int, dict]]], metrics: list[str], profiles: list[str]):
+    """The comparison figure (one panel per metric; see the module's description)."""
     panels = [("loss", "loss")] + [(f"outliers/{m}", m) for m in metrics] + [(None, p) for p in profiles]
     ncols = 4
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False)
     for ax, (key, title) in zip(axes.flat, panels):
-        drawn = False
-        for name, records in runs.items():
+        values = []
+        for name, runs in groups.items():
+            seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
             if key is None:
-                step, xs, ys = layer_profile(records, title)
-                label = f"{name} (step {step})" if step is not None else name
+                per_run = [layer_profile(records, title) for records in runs]
+                steps = sorted({step for step, _, _ in per_run if step is not None})
+                at = f" (step {steps[0]})" if len(steps) == 1 else f" (steps {steps[0]}-{steps[-1]})" if steps else ""
+                curves = [(xs, ys) for _, xs, ys in per_run if xs]
+                line = _draw_group(ax, curves, f"{name}{seeds}{at}", len(runs))
                 ax.set_xlabel("layer")
             else:
-                xs, ys = series(records, key)
-                label = f"{name} (train)" if key == "loss" else name
+                curves = [c for c in (series(records, key) for records in runs) if c[0]]
+                line = _draw_group(ax, curves, f"{name}{seeds} (train)" if key == "loss" else f"{name}{seeds}",
+                                   len(runs))
                 ax.set_xlabel("step")
-            if xs:
-                line, = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=label)
-                drawn = True
-            if key == "loss":
-                vx, vy = series(records, "val_loss")
-                if vx:
-                    ax.plot(vx, vy, ls="--", marker="s", ms=3, color=line.get_color() if xs else None,
-                            label=f"{name} (validation)")
-                    drawn = True
-        ax.set_title(title if key is not None else f"{title} per layer (last probe)", fontsize=10)
+                if key == "loss":
+                    val = [c for c in (series(records, "val_loss") for records in runs) if c[0]]
+                    _draw_group(ax, val, f"{name}{seeds} (validation)", len(runs), ls="--",
+                                color=line.get_color() if line else None)
+                    curves += val
+            values += [y for _, ys in curves for y in ys]
+        direction = better(title)
+        shown = title if key is not None else f"{title} per layer (last probe)"
+        ax.set_title(f"{shown}\n{direction}" if direction else shown, fontsize=10)
         if key == "loss":
             ax.set_ylabel("cross entropy (nats/token)")
-        if drawn:
-            values = [y for line in ax.get_lines() for y in line.get_ydata()]
-            positive = all(y > 0 for y in values)
-            wide = positive and max(values) > 3 * min(values)  # e.g. a loss falling from 10 to 3
-            if positive and (any(t in title for t in LOG_SCALE) or (key == "loss" and wide)):
+        if ax.get_lines():
+            if log_axis(values):
                 ax.set_yscale("log")
+                # plain numbers (20, 0.5), not 2 x 10^1; minor ticks labelled only on axes that span little
+                ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+                ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
             if key is not None:
                 ax.set_xlim(left=0)
             else:
@@ -108,21 +195,26 @@ def plot(runs: dict[str, dict[int, dict]], metrics: list[str], profiles: list[st
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
+    if any(len(runs) > 1 for runs in groups.values()):
+        fig.suptitle("several seeds: their mean, and a band from their minimum to their maximum", fontsize=10)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    return fig
 
 
-def summary(runs: dict[str, dict[int, dict]], metrics: list[str]) -> str:
+def summary(groups: dict[str, list[dict[int, dict]]], metrics: list[str]) -> str:
+    """A Markdown table of the last value of every metric per group (several seeds: mean [min, max])."""
     keys = ["loss", "val_loss"] + [f"outliers/{m}" for m in metrics]
-    head = "| metric | " + " | ".join(runs) + " |"
-    lines = [head, "|---" * (len(runs) + 1) + "|"]
+    lines = ["| metric | " + " | ".join(groups) + " |", "|---" * (len(groups) + 1) + "|"]
     for k in keys:
         cells = []
-        for records in runs.values():
-            xs, ys = series(records, k)
-            cells.append(f"{ys[-1]:.4g} (step {xs[-1]})" if ys else "-")
+        for runs in groups.values():
+            xs, mean, lo, hi = seed_band([c for c in (series(records, k) for records in runs) if c[0]])
+            if not xs:
+                cells.append("-")
+            elif len(runs) > 1:
+                cells.append(f"{mean[-1]:.4g} [{lo[-1]:.4g}, {hi[-1]:.4g}] (step {xs[-1]})")
+            else:
+                cells.append(f"{mean[-1]:.4g} (step {xs[-1]})")
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -136,16 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profiles", default=",".join(DEFAULT_PROFILES),
                    help="comma-separated metrics shown per layer at the last probe step ('' for none)")
     args = p.parse_args(argv)
-    runs: dict[str, dict[int, dict]] = {}
-    for run_dir in args.runs:
-        name = run_dir.resolve().name
-        while name in runs:
-            name += "'"
-        runs[name] = read_run(run_dir)
+    groups = group_runs(args.runs)
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
     profiles = [m.strip() for m in args.profiles.split(",") if m.strip()]
-    plot(runs, metrics, profiles, args.out)
-    print(summary(runs, metrics))
+    fig = draw(groups, metrics, profiles)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=100)
+    plt.close(fig)
+    print(summary(groups, metrics))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
