@@ -23,7 +23,7 @@ from outlier_titan.errors import UserError
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.packaged import configs_dir
 from outlier_titan.provenance import code_version
-from outlier_titan.study import facts, stats
+from outlier_titan.study import facts, lr_search, stats
 from outlier_titan.study.claims import CLAIMS, THRESHOLDS, ours_park, sinks_table
 from outlier_titan.study.groups import aggregate, fmt, matches, num, select
 from outlier_titan.study.papers import SUITE_INFO, SuiteInfo
@@ -33,20 +33,21 @@ from outlier_titan.study.rules import LOSS_COST, REDUCTION_FACTOR, RULES_TEXT, g
 from outlier_titan.study.stats import Estimate
 
 SUITES = tuple(SUITE_INFO)
-SCALES = ("smoke", "cpu", "search", "synthetic", "tiles", "gpu")
+SCALES = ("smoke", "cpu", "search", "lr", "synthetic", "tiles", "gpu")
 """``search``: the calibration search of the cpu scale, where a suite has one: the seeds' levers on
 the cpu recipe, evaluated and reported like a suite, so the settings tried and the peaks they gave are kept.
 ``synthetic``: the suite's grid on the synthetic Bigram-Backcopy task (``data.source = "bigram_backcopy"``), where
 a suite has one: a small-scale testbed for the attention sink, which the embedded corpus (Python source) does not make at cpu scale.
 ``tiles``: the tile-size study, where a suite has one: the cpu recipe's baseline and remedy with the remedy's
 rotation over whole axes and in shard-local tiles of 128, 64 and 32, reported against the tile edge."""
-OPTIONAL_SCALES = {"search": "calibration search", "synthetic": "synthetic-task suite", "tiles": "tile-size study"}
+OPTIONAL_SCALES = {"search": "calibration search", "lr": "learning-rate search", "synthetic": "synthetic-task suite",
+                   "tiles": "tile-size study"}
 # scripts/evaluate.py settings per scale: validation tokens, sequences per pass, calibration batches and seeds
 EVAL_ARGS = {"smoke": dict(tokens=512, batch_size=4, calib_batches=1, calib_seeds=1),
              # 16 calibration batches (16k tokens): at 4, a W8A8 point's three calibration seeds spread 77-225 PPL
              "cpu": dict(tokens=65536, batch_size=8, calib_batches=16, calib_seeds=3),
              "gpu": dict(tokens=1_048_576, batch_size=16, calib_batches=4, calib_seeds=3)}
-EVAL_ARGS["search"] = EVAL_ARGS["synthetic"] = EVAL_ARGS["tiles"] = EVAL_ARGS["cpu"]  # judged like the cpu scale
+EVAL_ARGS["search"] = EVAL_ARGS["lr"] = EVAL_ARGS["synthetic"] = EVAL_ARGS["tiles"] = EVAL_ARGS["cpu"]  # as cpu
 
 
 def suite_scales(suite: str) -> list[str]:
@@ -74,12 +75,41 @@ def suite_file(suite: str, scale: str) -> Path:
     return path
 
 
-def lr_choice(suite: str, scale: str) -> str:
-    """How the suite file says its learning rates were chosen (its top-level ``lr_choice``), or ""."""
+def _suite_keys(suite: str, scale: str) -> dict[str, Any]:
     from outlier_titan.config.manager import tomllib
 
     path = configs_dir() / "suites" / suite / f"{scale}.toml"
-    return str(tomllib.loads(path.read_text()).get("lr_choice", "")) if path.is_file() else ""
+    return tomllib.loads(path.read_text()) if path.is_file() else {}
+
+
+def lr_report(suite: str, scale: str) -> Path | None:
+    """The lr search report a scale takes its learning rates from (its suite file's ``lr_from``), or None."""
+    source = _suite_keys(suite, scale).get("lr_from")
+    return Path("reports") / f"{suite}-{source}" if source else None
+
+
+def suite_sweep(suite: str, scale: str):
+    """The suite's sweep at a scale, each tuned setting at the learning rate its lr search chose (``lr_from``)."""
+    from outlier_titan.study.spec import load_sweep
+
+    sweep = load_sweep(suite_file(suite, scale))
+    report = lr_report(suite, scale)
+    if report is not None:
+        lr_search.apply_choice(sweep, lr_search.read_choice(report))
+    return sweep
+
+
+def lr_choice(suite: str, scale: str) -> str:
+    """How the learning rates were chosen: from the lr search the suite file names (``lr_from``), else the suite
+    file's own words (``lr_choice``), or ""."""
+    report = lr_report(suite, scale)
+    if report is None:
+        return str(_suite_keys(suite, scale).get("lr_choice", ""))
+    from outlier_titan.study.spec import load_sweep
+
+    choice = lr_search.read_choice(report)
+    untuned = lr_search.apply_choice(load_sweep(suite_file(suite, scale)), choice)
+    return lr_search.header_line(choice, str(report), untuned)
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -466,6 +496,8 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
                   ""]
     if scale == "tiles" and info.tile_study:
         lines += tile_study_section(groups, info, fig_dir, scale_phrase)
+    if scale == "lr":
+        lines += lr_search.section(lr_search.choose(rows, manifest["axes"]), out)
     if eval_failed:
         lines += [f"Evaluation failed for: {', '.join(eval_failed)} (see `<point>/eval.log`).", ""]
     if suite == "sinks2025":
@@ -477,12 +509,13 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
                   "(per sequence, then averaged); pooled Sink^0.3 is the form the probe logged until 2026-11-28 "
                   "(averaged over sequences before the threshold), the only one runs of that time have.", ""]
         lines += sinks_table(groups) + [""]
-    claims = CLAIMS[suite](groups)
-    lines += ["## Verdicts", "", RULES_TEXT, ""]
+    claims = [] if scale == "lr" else CLAIMS[suite](groups)  # a search decides learning rates, not claims
+    lines += ["## Verdicts", "", RULES_TEXT if claims else "None at this scale: it chooses learning rates.", ""]
     for text, verdict, detail in claims:
         lines.append(f"- **{verdict}** {scale_phrase} — {text}: {detail}.")
-    lines += ["", stats.chance_calls([v for _, v, _ in claims]), "",
-              "Thresholds and where they come from:", "", *sources(THRESHOLDS[suite])]
+    if claims:
+        lines += ["", stats.chance_calls([v for _, v, _ in claims]), "",
+                  "Thresholds and where they come from:", "", *sources(THRESHOLDS[suite])]
     lines += ["", "## The paper's numbers beside ours", "",
               "Each row: the paper's setting, then `paper / ours` per metric (ours: mean ± sd over seeds of the "
               "setting with those axes; — where a side has no number).", ""]

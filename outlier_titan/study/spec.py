@@ -38,7 +38,7 @@ from outlier_titan.config.manager import ConfigError, load_toml, parse_args, set
 from outlier_titan.errors import UserError
 from outlier_titan.packaged import resolve_config
 
-TOP_KEYS = ("base", "name", "seeds", "tokens_per_param", "budget_params", "fixed", "grid", "zip", "slurm", "lr_choice")
+TOP_KEYS = ("base", "name", "seeds", "tokens_per_param", "budget_params", "fixed", "grid", "zip", "slurm", "lr_choice", "lr_from")
 SLURM_KEYS = {"nodes": int, "gpus_per_node": int, "cpus_per_task": int, "time": str, "partition": str,
               "account": str, "signal_seconds": int, "extra": list}
 SEED = "seed"
@@ -169,7 +169,7 @@ def load_sweep(path: str | Path) -> Sweep:
     if not base.is_file():
         raise SweepError(f"{where}: base config {raw['base']!r} not found (looked at {base})")
     for key, kind in (("fixed", dict), ("grid", dict), ("slurm", dict), ("name", str), ("budget_params", str),
-                      ("lr_choice", str)):
+                      ("lr_choice", str), ("lr_from", str)):
         if key in raw and not isinstance(raw[key], kind):
             raise SweepError(f"{where}: '{key}' must be a {'table' if kind is dict else 'string'}, "
                              f"got {raw[key]!r}")

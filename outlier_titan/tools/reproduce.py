@@ -71,22 +71,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from outlier_titan.study.plan import plan_table, read_manifest, write_plan
-    from outlier_titan.study.reproduce import build_report, gpu_dry_run, suite_file
-    from outlier_titan.study.spec import load_sweep
+    from outlier_titan.study.reproduce import build_report, gpu_dry_run, suite_file, suite_sweep
 
     if args.parallel < 1:
         raise UserError(f"--parallel must be at least 1, got {args.parallel}")
     if not 0 < args.mfu <= 1:
         raise UserError(f"--mfu must be in (0, 1], got {args.mfu}")
     tag = f"{args.suite}-{args.scale}"
-    path = suite_file(args.suite, args.scale)
+    suite_file(args.suite, args.scale)  # a bad --suite / --scale is a one-line error before anything else
     if args.dry_run:
         if args.scale == "gpu":
             print(gpu_dry_run(args.suite, args.tokenizer, args.mfu, args.peak_tflops, args.gpu_gib))
         else:
             from outlier_titan.study.plan import build_manifest
 
-            print(plan_table(build_manifest(load_sweep(path), Path("/nonexistent"))))
+            print(plan_table(build_manifest(suite_sweep(args.suite, args.scale), Path("/nonexistent"))))
         return 0
     if args.tokenizer:
         raise UserError("--tokenizer applies to --scale gpu --dry-run only")
@@ -97,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--adopt {src}: no such folder; name a report folder written by scripts/reproduce.py "
                             f"(e.g. reports/{tag})")
     if not args.report_only or args.adopt:
-        manifest, _ = write_plan(load_sweep(path), sweep_dir, force=args.force)
+        manifest, _ = write_plan(suite_sweep(args.suite, args.scale), sweep_dir, force=args.force)
         print(plan_table(manifest), file=sys.stderr)
     if args.adopt:
         from outlier_titan.study.papers import SUITE_INFO

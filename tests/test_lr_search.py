@@ -1,0 +1,67 @@
+"""Each arm at its own best learning rate: the lr scale's choice (lowest final val loss per setting, a choice at the
+grid's edge marked), its report section and json, and a scale that reads it (`lr_from`) running each tuned setting
+at its chosen lr and naming the settings it did not tune."""
+
+import json
+
+import pytest
+
+from outlier_titan.errors import UserError
+from outlier_titan.study import lr_search
+from outlier_titan.study.reproduce import suite_file
+from outlier_titan.study.spec import load_sweep
+
+AXES = ["optimizer.lr", "model.block", "optimizer.name", "seed"]
+
+
+def _rows(losses):
+    return [{"point": f"{b}_{o}_lr{lr:g}_s0", "status": "done", "seed": 0, "optimizer.lr": lr, "model.block": b,
+             "optimizer.name": o, "final_val_loss": loss} for (b, o, lr), loss in losses.items()]
+
+
+def test_the_choice_is_each_settings_lowest_final_val_loss_and_an_edge_is_marked(tmp_path):
+    rows = _rows({("pre_ln", "adamw", 1e-3): 5.0, ("pre_ln", "adamw", 3e-3): 4.6, ("pre_ln", "adamw", 1e-2): 4.9,
+                  ("op", "soap", 1e-3): 4.5, ("op", "soap", 3e-3): 4.3, ("op", "soap", 1e-2): 4.2})
+    rows.append({**rows[0], "point": "running", "status": "running", "final_val_loss": 1.0})  # never counted
+    choice = lr_search.choose(rows, AXES)
+    assert choice["tuned_axes"] == ["optimizer.lr"] and choice["setting_axes"] == ["model.block", "optimizer.name"]
+    by = {s["setting"]["model.block"]: s for s in choice["settings"]}
+    assert by["pre_ln"]["chosen"] == {"optimizer.lr": 3e-3} and by["pre_ln"]["at_edge"] == []
+    assert by["op"]["chosen"] == {"optimizer.lr": 1e-2} and by["op"]["at_edge"] == ["optimizer.lr"]
+    lines = lr_search.section(choice, tmp_path)
+    assert json.loads((tmp_path / lr_search.CHOICE_FILE).read_text()) == choice
+    row = next(ln for ln in lines if ln.startswith("| model.block=op"))
+    assert "0.001: 4.5; 0.003: 4.3; 0.01: 4.2" in row and "lr 0.01 (at the grid's edge)" in row
+
+
+def test_a_scale_runs_each_tuned_setting_at_its_chosen_lr_and_names_the_others():
+    sweep = load_sweep(suite_file("he2024", "cpu"))
+    search = load_sweep(suite_file("he2024", "lr"))
+    rows = [{"point": p.name, "seed": 0, "final_val_loss": {1e-3: 5.0, 3e-3: 4.0, 1e-2: 4.5}[p.cfg.optimizer.lr]
+             if p.cfg.optimizer.name == "adamw" else {1e-3: 4.4, 3e-3: 4.3, 1e-2: 4.1}[p.cfg.optimizer.lr],
+             **p.axes} for p in search.points]
+    choice = lr_search.choose(rows, search.axes)
+    untuned = lr_search.apply_choice(sweep, choice)
+    lrs = {p.name: p.cfg.optimizer.lr for p in sweep.points}
+    assert lrs["pre_ln_adamw_s1"] == 3e-3 and lrs["op_soap_s2"] == 1e-2
+    assert "pre_rms_soap_s0" in untuned and "op_adamw_s0" in untuned and "op_soap_s0" not in untuned
+    assert lrs["pre_rms_soap_s0"] == 3e-3  # not tuned: the suite file's value
+    line = lr_search.header_line(choice, "reports/he2024-lr", untuned)
+    assert "op, fixed, True, False, 50.0, soap, 0.95: lr 0.01 from {0.001, 0.003, 0.01} (at the grid's edge)" in line
+    assert "not tuned, at the suite file's values: " in line
+
+
+def test_the_lr_search_at_the_cpu_suites_lr_is_the_cpu_suites_own_point():
+    """So the search can adopt the cpu report's seed-0 points at the lr they share instead of training them."""
+    from outlier_titan.study.plan import _config_diff, _defaults, _optimizer_owners
+
+    cpu = {p.name: p for p in load_sweep(suite_file("he2024", "cpu")).points}
+    search = {p.name: p for p in load_sweep(suite_file("he2024", "lr")).points}
+    for arm in ("pre_ln_adamw", "op_soap"):
+        assert _config_diff(cpu[f"{arm}_s0"].config_toml, search[f"{arm}_lr0.003_s0"].config_toml, _defaults(),
+                            _optimizer_owners(), ("job", "checkpoint")) == []
+
+
+def test_a_missing_lr_report_is_one_line_naming_the_command(tmp_path):
+    with pytest.raises(UserError, match=r"run it first \(python scripts/reproduce.py --suite SUITE --scale lr\)"):
+        lr_search.read_choice(tmp_path)
