@@ -256,6 +256,9 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Atten
     if path == "chunked":
         return chunked_attention(q, k, v, opts, scale, sink=sink, softcap=softcap)
     if path == "flex":
+        if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+            raise AttentionError(f"model.attention_impl = {opts.impl}: {opts.variant} runs on FlexAttention, which has "
+                                 f"no backward on the CPU in this torch; use auto or chunked there")
         return attention_flex.flex_attention_variant(q, k, v, opts, scale, sink=sink, softcap=softcap)
     if opts.variant == "softmax1":
         pad = (0, 0, 1, 0)
