@@ -1,6 +1,6 @@
-"""The attention paths (models/attention.py, models/attention_flex.py): the chunked path of every variant against
-its float64 formula and the explicit path (values and gradients; GQA, RoPE, the sink logits, soft-cap), under
-activation checkpointing and compile; FlexAttention's identities in forward (its backward needs a GPU); peak memory
+"""The attention paths (models/attention.py, attention_sdpa.py, attention_flex.py): the CPU's paths of every variant
+(SDPA, the sink logit's lse rescale on the CPU flash kernel, chunked) against its float64 formula and the explicit
+path (values and gradients; GQA, RoPE, the sink logits), under activation checkpointing and compile; FlexAttention's identities in forward (its backward needs a GPU); peak memory
 linear in T; a model's loss and gradients on the default path equal the explicit path's."""
 
 import warnings
@@ -42,7 +42,7 @@ def _sink(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_chunked_equals_formula_and_explicit_with_gqa(small_chunks, variant):
+def test_every_path_equals_the_formula_with_gqa(small_chunks, variant):
     q, k, v = _qkv(4, 2, 37, seed=3)  # 37 queries: blocks of 8, 8, 8, 8, 5
     sink = _sink(variant)
     inputs = [q, k, v] + ([sink] if sink is not None else [])
@@ -50,7 +50,7 @@ def test_chunked_equals_formula_and_explicit_with_gqa(small_chunks, variant):
     ref = attention_formula(q, *repeat_kv(q, k, v), formula, 8 ** -0.5, **({"sink": sink} if sink is not None else {}))
     up = torch.randn_like(ref)
     want = torch.autograd.grad(ref, inputs, up)
-    for impl in ("chunked", "explicit"):
+    for impl in ("auto", "chunked", "explicit"):
         got = attention(q, k, v, variant, opts=AttentionOptions(variant=variant, impl=impl), sink=sink)
         assert (got - ref).abs().max().item() < TOL, impl
         for gg, gr in zip(torch.autograd.grad(got, inputs, up), want):
@@ -70,7 +70,7 @@ def _module(variant, impl, seed=0):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_chunked_module_with_rope_under_activation_checkpointing(small_chunks, variant):
+def test_module_with_rope_under_activation_checkpointing(small_chunks, variant):
     x = torch.randn(2, 40, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     up = torch.randn(2, 40, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
 
@@ -82,16 +82,17 @@ def test_chunked_module_with_rope_under_activation_checkpointing(small_chunks, v
 
     ref, ref_grads = run(_module(variant, "explicit"))
     sac = {"context_fn": lambda: create_selective_checkpoint_contexts(_op_policy)}
-    for wrap in (lambda m: m, lambda m: checkpoint_wrapper(m, preserve_rng_state=False),
-                 lambda m: checkpoint_wrapper(m, preserve_rng_state=False, **sac)):
-        out, grads = run(wrap(_module(variant, "chunked")))
-        assert (out - ref).abs().max().item() < 1e-12
-        assert all((g - r).abs().max().item() < 1e-12 for g, r in zip(grads, ref_grads))
+    for impl in ("chunked", "auto"):
+        for wrap in (lambda m: m, lambda m: checkpoint_wrapper(m, preserve_rng_state=False),
+                     lambda m: checkpoint_wrapper(m, preserve_rng_state=False, **sac)):
+            out, grads = run(wrap(_module(variant, impl)))
+            assert (out - ref).abs().max().item() < 1e-12
+            assert all((g - r).abs().max().item() < 1e-12 for g, r in zip(grads, ref_grads))
 
 
-@pytest.mark.parametrize("variant", ["sink_logit", "softpick"])
-def test_chunked_path_compiles_in_one_graph(small_chunks, variant):
-    att = _module(variant, "chunked")
+@pytest.mark.parametrize("variant,impl", [("softpick", "chunked"), ("sink_logit", "chunked"), ("sink_logit", "auto")])
+def test_cpu_paths_compile_in_one_graph(small_chunks, variant, impl):
+    att = _module(variant, impl)
     x = torch.randn(2, 40, 32, dtype=torch.float64, requires_grad=True)
     params = [x] + list(att.parameters())
     eager = torch.autograd.grad(att(x).square().sum(), params)
@@ -125,7 +126,8 @@ def test_flex_identities_equal_the_explicit_weights_in_forward(variant, opts, so
 def test_paths_chosen_per_device_and_fused_refuses_cpu_training():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     path = attn_mod.attention_path
-    assert [path(v, "auto", cpu) for v in VARIANTS] == ["sdpa" if v in attn_mod.SDPA else "chunked" for v in VARIANTS]
+    on_cpu = attn_mod.SDPA + ("sink_logit",)
+    assert [path(v, "auto", cpu) for v in VARIANTS] == ["sdpa" if v in on_cpu else "chunked" for v in VARIANTS]
     assert [path(v, "auto", gpu) for v in VARIANTS] == ["sdpa" if v in attn_mod.SDPA else "flex" for v in VARIANTS]
     assert path("softmax", "auto", gpu, softcap=30.0) == "flex" and path("softmax", "auto", cpu, 30.0) == "chunked"
     assert {path(v, "explicit", gpu) for v in VARIANTS} == {"explicit"}
@@ -166,3 +168,15 @@ def test_default_path_losses_and_grads_equal_the_explicit_path():
     assert abs(loss_a - loss_e) <= 1e-6 * abs(loss_e)
     for name, g in grads_e.items():
         assert (grads_a[name] - g).abs().max().item() <= 1e-5 * g.abs().max().item() + 1e-9, name
+
+
+def test_sink_logit_on_the_cpu_runs_the_flash_kernel_forward_and_backward():
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = _qkv(4, 4, 40, seed=2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        attention(q, k, v, "sink_logit", opts=AttentionOptions(variant="sink_logit"), sink=_sink("sink_logit")).sum() \
+            .backward()
+    names = {e.key.removeprefix("aten::") for e in prof.key_averages()}
+    assert {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"} \
+        <= names and "bmm" not in names, sorted(names)

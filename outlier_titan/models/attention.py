@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from outlier_titan.models import attention_flex
+from outlier_titan.models.attention_sdpa import sdpa_attention
 from outlier_titan.models.attention_variants import (ATTENTION_IMPLS, AttentionChoice, AttentionError, layer_variants,
                                                      option_groups, used_variants, validate_options, variants)
 from outlier_titan.options import owner_defaults
@@ -214,7 +215,8 @@ def attention_path(variant: str, impl: str, device: torch.device, softcap: float
     """Where a training forward of ``variant`` runs: ``sdpa``, ``flex``, ``chunked`` or ``explicit``."""
     if impl in ("explicit", "chunked"):
         return impl
-    if variant in SDPA and not softcap:
+    # SDPA takes no soft-cap; the sink logit runs on it on the CPU (its flash kernel's lse, rescaled)
+    if not softcap and (variant in SDPA or (variant == "sink_logit" and device.type == "cpu")):
         return "sdpa"
     return "flex" if impl == "fused" or device.type == "cuda" else "chunked"
 
@@ -260,14 +262,7 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Atten
             raise AttentionError(f"model.attention_impl = {opts.impl}: {opts.variant} runs on FlexAttention, which has "
                                  f"no backward on the CPU in this torch; use auto or chunked there")
         return attention_flex.flex_attention_variant(q, k, v, opts, scale, sink=sink, softcap=softcap)
-    if opts.variant == "softmax1":
-        pad = (0, 0, 1, 0)
-        out = F.scaled_dot_product_attention(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), is_causal=True,
-                                             scale=scale)
-        return out[:, :, 1:]
-    if opts.variant not in ("softmax",) + GATED:
-        raise ValueError(f"attention variant {opts.variant!r} has no SDPA form")
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return sdpa_attention(q, k, v, opts.variant, scale, sink=sink)
 
 
 def apply_gate(out: torch.Tensor, gate_logits: torch.Tensor, variant: str) -> torch.Tensor:
