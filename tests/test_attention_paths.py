@@ -1,7 +1,8 @@
 """The attention paths (models/attention.py, attention_sdpa.py, attention_flex.py): the CPU's paths of every variant
 (SDPA, the sink logit's lse rescale on the CPU flash kernel, chunked) against its float64 formula and the explicit
-path (values and gradients; GQA, RoPE, the sink logits), under activation checkpointing and compile; FlexAttention's identities in forward (its backward needs a GPU); peak memory
-linear in T; a model's loss and gradients on the default path equal the explicit path's."""
+path (values and gradients; GQA, RoPE, the sink logits), under activation checkpointing and compile;
+FlexAttention's identities in forward (its backward needs a GPU); peak memory linear in T; a model's loss and
+gradients on the default path equal the explicit path's."""
 
 import warnings
 

@@ -10,8 +10,9 @@ variant                   weights / output                                      
 ``softmax``               ``softmax_j(s_ij)``                                                        yes
 ``softmax1``              ``exp(s_ij) / (1 + sum_j exp(s_ij))`` (Kaul et al. 2024, arXiv 2410.17174;   yes
                           a zero key and zero value prepended, exact)
-``sink_logit``            ``exp(s_ij) / (exp(c_h) + sum_j exp(s_ij))``, ``c_h`` a learned logit per     no
-                          head with no value (gpt-oss 2025; softmax-1 is ``c_h = 0`` fixed)
+``sink_logit``            ``exp(s_ij) / (exp(c_h) + sum_j exp(s_ij))``, ``c_h`` a learned logit per     CPU only
+                          head with no value (gpt-oss 2025; softmax-1 is ``c_h = 0`` fixed): softmax's
+                          output times ``sigmoid(lse - c_h)``
 ``gated_head``            ``Y_i,h * sigmoid(x_i . w_h)``, one learned scalar gate per head and token    yes
                           on the softmax output ``Y`` before ``wo`` (Qiu et al. 2025, arXiv 2505.06708,
                           position G1; ``x`` the block's normalised attention input)
@@ -28,9 +29,10 @@ variant                   weights / output                                      
 ========================  =========================================================================  ==========
 
 How a forward runs (``model.attention_impl``, :func:`attention_path`): the variants SDPA expresses exactly run on
-SDPA (no soft-cap); on a GPU the others run on FlexAttention, a score modification plus the returned log-sum-exp
-(:mod:`outlier_titan.models.attention_flex`); elsewhere they run *chunked*: query blocks of ``CHUNK_ROWS`` rows,
-each against its causal prefix of keys, recomputed in the backward, so no [T, T] tensor is ever held. The
+SDPA (no soft-cap; :mod:`outlier_titan.models.attention_sdpa`); on a GPU the others run on FlexAttention, a score
+modification plus the returned log-sum-exp (:mod:`outlier_titan.models.attention_flex`); elsewhere they run
+*chunked*: query blocks of ``CHUNK_ROWS`` rows, each against its causal prefix of keys, recomputed in the
+backward, so no [T, T] tensor is ever held. The
 explicit [B, H, T, T] weights (float32; float64 for float64 inputs) are only computed for the outlier probe
 (which reads them) and when asked for (``explicit``: the tests' oracle). Logit soft-capping (``op``'s
 ``logit_softcap``) is applied to ``s`` before any variant; a sink logit is not capped.
@@ -45,7 +47,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from torch.utils.checkpoint import checkpoint
 
 from outlier_titan.models import attention_flex
@@ -103,7 +104,8 @@ def validate_attention_args(args, spec: str, unsupported: tuple[str, ...] = (), 
             raise AttentionError(f"model.attention = {v!r} is not supported by model spec '{spec}' ({why}); "
                                  f"choose one of {', '.join(x for x in VARIANTS if x not in unsupported)}")
     if args.attention_impl not in ATTENTION_IMPLS:
-        raise AttentionError(f"model.attention_impl = {args.attention_impl!r}: choose one of {', '.join(ATTENTION_IMPLS)}")
+        raise AttentionError(f"model.attention_impl = {args.attention_impl!r}: choose one of "
+                             f"{', '.join(ATTENTION_IMPLS)}")
     validate_options(args)
 
 

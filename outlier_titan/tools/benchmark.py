@@ -660,7 +660,8 @@ def _attention_ops(step, device: torch.device) -> str:
     with profile(activities=acts) as prof:
         step()
     names = {e.key for e in prof.key_averages()}
-    fused = sorted(n for n in names if ("aten::_scaled_dot_product" in n or "flex" in n.lower()) and "backward" not in n)
+    fused = sorted(n for n in names
+                   if ("aten::_scaled_dot_product" in n or "flex" in n.lower()) and "backward" not in n)
     return ", ".join(f"`{n.removeprefix('aten::')}`" for n in fused) or ("`bmm`" if "aten::bmm" in names else "-")
 
 
