@@ -58,6 +58,20 @@ def test_every_path_equals_the_formula_with_gqa(small_chunks, variant):
             assert (gg - gr).abs().max().item() < TOL, impl
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_chunked_equals_explicit_under_a_softcap(small_chunks, variant):
+    q, k, v = _qkv(4, 4, 37, seed=4, logit_scale=4.0)
+    sink = _sink(variant)
+    inputs = [q, k, v] + ([sink] if sink is not None else [])
+    o = AttentionOptions(variant=variant)
+    ref = attn_mod.explicit_attention(q, k, v, o, 8 ** -0.5, sink=sink, softcap=2.0)
+    got = attn_mod.chunked_attention(q, k, v, o, 8 ** -0.5, sink=sink, softcap=2.0)
+    assert (got - ref).abs().max().item() < 1e-12
+    up = torch.randn_like(ref)
+    for gg, gr in zip(torch.autograd.grad(got, inputs, up), torch.autograd.grad(ref, inputs, up)):
+        assert (gg - gr).abs().max().item() < 1e-12
+
+
 def _module(variant, impl, seed=0):
     torch.manual_seed(seed)
     rope = RotaryEmbedding(8, 40)

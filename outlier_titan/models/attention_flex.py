@@ -71,42 +71,52 @@ def _log_abs_expm1(s: torch.Tensor) -> torch.Tensor:
     return torch.where(s != 0, F.relu(safe) + torch.log(-torch.expm1(-safe.abs())), NEG_INF)
 
 
+@functools.lru_cache(maxsize=64)
+def _score_mod(kind: str, softcap: float = 0.0, bias: float = 0.0):
+    """The score modification ``kind`` of the soft-capped logit, built once per setting (compiled FlexAttention then
+    sees the same function every step): ``plain`` (None without a cap), ``log_sigmoid`` (``log sigmoid(s + bias)``),
+    ``log_relu``, ``log_relu_expm1`` (``log relu(e^s - 1)``) or ``log_abs_expm1``."""
+    if kind == "plain" and not softcap:
+        return None
+    f = {"plain": lambda s: s, "log_sigmoid": lambda s: F.logsigmoid(s + bias), "log_relu": _log_positive,
+         "log_relu_expm1": lambda s: torch.where(s > 0, _log_abs_expm1(s), NEG_INF),
+         "log_abs_expm1": _log_abs_expm1}[kind]
+    if softcap:
+        return lambda score, b, h, q_idx, kv_idx: f(softcap * torch.tanh(score / softcap))
+    return lambda score, b, h, q_idx, kv_idx: f(score)
+
+
 def flex_attention_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, scale: float,
                            sink: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of ``opts.variant`` (an ``AttentionOptions``) over [B, H, T, d_h] (k, v with H heads) by
     the identities above; ``sink``: the per-head logits [H] of ``sink_logit``."""
     t = q.shape[-2]
-    cap = (lambda s: softcap * torch.tanh(s / softcap)) if softcap else (lambda s: s)
     variant = opts.variant
-
-    def mod(f):
-        return lambda score, b, h, q_idx, kv_idx: f(cap(score))
-
-    plain = mod(lambda s: s) if softcap else None
     if variant == "sigmoid":
         bias = -math.log(t) if opts.sigmoid_bias is None else opts.sigmoid_bias
-        out, lse = causal_flex(q, k, v, mod(lambda s: F.logsigmoid(s + bias)), scale)
+        out, lse = causal_flex(q, k, v, _score_mod("log_sigmoid", softcap, bias), scale)
         factor = torch.exp(lse)
     elif variant == "relu":
-        out, lse = causal_flex(q, k, v, mod(_log_positive), scale)
+        out, lse = causal_flex(q, k, v, _score_mod("log_relu", softcap), scale)
         keys = {"prefix": torch.arange(1, t + 1, dtype=lse.dtype, device=lse.device), "seq_len": t, "none": 1}
         factor = torch.exp(lse) / keys[opts.relu_norm]
     elif variant == "softpick":
-        out, lse = causal_flex(q, k, v, mod(lambda s: torch.where(s > 0, _log_abs_expm1(s), NEG_INF)), scale)
-        _, lse2 = causal_flex(q, k, v, mod(_log_abs_expm1), scale)
+        out, lse = causal_flex(q, k, v, _score_mod("log_relu_expm1", softcap), scale)
+        _, lse2 = causal_flex(q, k, v, _score_mod("log_abs_expm1", softcap), scale)
         factor = torch.exp(lse - lse2) / (1.0 + opts.softpick_eps * torch.exp(-lse2))
     elif variant == "clipped_softmax":
-        _, lse0 = causal_flex(q, k, v, plain, scale)
+        _, lse0 = causal_flex(q, k, v, _score_mod("plain", softcap), scale)
         zeta, gamma = opts.clip_zeta, opts.clip_gamma
 
-        def clipped(score, b, h, q_idx, kv_idx):
-            w = (zeta - gamma) * torch.exp(cap(score) - lse0[b, h, q_idx]) + gamma
+        def clipped(score, b, h, q_idx, kv_idx):  # captures this forward's lse0 (its gradient flows through it)
+            s = softcap * torch.tanh(score / softcap) if softcap else score
+            w = (zeta - gamma) * torch.exp(s - lse0[b, h, q_idx]) + gamma
             return _log_positive(torch.clamp(w, max=1.0))
 
         out, lse = causal_flex(q, k, v, clipped, scale)
         factor = torch.exp(lse)
     else:
-        out, lse = causal_flex(q, k, v, plain, scale)
+        out, lse = causal_flex(q, k, v, _score_mod("plain", softcap), scale)
         if variant in ("softmax1", "sink_logit"):
             c = 0.0 if variant == "softmax1" else sink.to(lse.dtype).view(1, -1, 1)
             factor = torch.sigmoid(lse - c)
