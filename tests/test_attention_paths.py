@@ -195,3 +195,11 @@ def test_sink_logit_on_the_cpu_runs_the_flash_kernel_forward_and_backward():
     names = {e.key.removeprefix("aten::") for e in prof.key_averages()}
     assert {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"} \
         <= names and "bmm" not in names, sorted(names)
+
+
+def test_resuming_on_another_attention_path_is_listed_not_refused():
+    from outlier_titan.checkpoint.manager import config_changes
+
+    changes = config_changes('[model]\nattention = "softpick"\nattention_impl = "explicit"\n',
+                             '[model]\nattention = "relu"\n')
+    assert {k: w for k, _, _, w in changes} == {"model.attention_impl": None, "model.attention": "the model differs"}
