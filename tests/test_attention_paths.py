@@ -203,3 +203,16 @@ def test_resuming_on_another_attention_path_is_listed_not_refused():
     changes = config_changes('[model]\nattention = "softpick"\nattention_impl = "explicit"\n',
                              '[model]\nattention = "relu"\n')
     assert {k: w for k, _, _, w in changes} == {"model.attention_impl": None, "model.attention": "the model differs"}
+
+
+def test_attention_benchmark_prints_a_row_per_variant_path_and_length(capsys):
+    from outlier_titan.tools.benchmark import main
+
+    main(["attention", "--variants", "sink_logit,relu", "--seq-lens", "32,64", "--reps", "1", "--batch", "1",
+          "--heads", "2", "--head-dim", "8", "--threads", str(torch.get_num_threads())])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 32 ")
+            or line.startswith("| 64 ")]
+    got = {(r[0].strip("| "), r[1], r[2]): (r[3], r[6]) for r in rows}
+    assert len(rows) == 12 and got[("64", "softmax", "auto")] == ("sdpa", "1.00x")
+    assert got[("64", "sink_logit", "auto")][0] == "sdpa" and got[("64", "relu", "auto")][0] == "chunked"
+    assert {p for (_, _, impl), (p, _) in got.items() if impl == "explicit"} == {"explicit"}
