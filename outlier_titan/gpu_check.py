@@ -449,6 +449,8 @@ def bench_attention(item: dict, dry: bool, workdir: Path) -> dict:
     """Forward + backward of one attention module (projections included) in bf16 on the fused path."""
     import torch
 
+    from outlier_titan.models.attention import attention_path
+
     device = _device(dry)
     dtype = torch.float32 if dry else torch.bfloat16
     attn, dim = _attention_module(item, device)
@@ -469,7 +471,8 @@ def bench_attention(item: dict, dry: bool, workdir: Path) -> dict:
     # causal QK^T and PV: 2 matmuls x 2 FLOP x B H T^2 d_h / 2, backward twice the forward (+ recompute: 2.5x)
     core = 2 * 2 * item["batch"] * heads * item["seq_len"] ** 2 * attn.head_dim / 2 * 3.5
     return {"fwd_bwd_s": t, "tokens_per_s": item["batch"] * item["seq_len"] / t, "sdpa_kernels": kernels,
-            "path": ("fused: " + ", ".join(kernels)) if kernels else "explicit (no SDPA call)",
+            "path": attention_path(attn.opts.variant, attn.opts.impl, device) + (": " + ", ".join(kernels)
+                                                                                   if kernels else ""),
             "attention_core_tflops": core / t / 1e12, "dtype": str(dtype).removeprefix("torch."),
             "shape": f"B {item['batch']} x T {item['seq_len']} x D {dim}, {heads} heads of {attn.head_dim}"}
 

@@ -146,7 +146,7 @@ def test_gated_attention_module_equals_formula(variant):
 
 
 @pytest.mark.parametrize("variant", attn_mod.VARIANTS)
-def test_backend_fused_or_explicit(monkeypatch, variant):
+def test_backend_sdpa_or_chunked_on_the_cpu(monkeypatch, variant):
     calls = []
     real = F.scaled_dot_product_attention
 
@@ -155,16 +155,26 @@ def test_backend_fused_or_explicit(monkeypatch, variant):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(attn_mod.F, "scaled_dot_product_attention", spy)
-    q, k, v = _qkv(1, 2, 5, 4, 1.0, seed=1)
-    sink = torch.zeros(2, dtype=torch.float64) if variant == "sink_logit" else None
-    attention(q, k, v, variant, opts=AttentionOptions(variant=variant), sink=sink)
-    assert len(calls) == (1 if variant in attn_mod.FUSED else 0), variant
-    if variant == "sink_logit":
-        assert calls[0]["attn_mask"].shape == (1, 2, 5, 6)  # the sink column plus the causal keys
-    # the probe hook always takes the explicit path
+    seen, real_explicit = [], attn_mod.explicit_attention
+
+    def explicit_spy(q, *args, **kwargs):
+        seen.append(q.shape[-2])
+        return real_explicit(q, *args, **kwargs)
+
+    monkeypatch.setattr(attn_mod, "explicit_attention", explicit_spy)
+    q, k, v = _qkv(1, 2, 300, 4, 1.0, seed=1)
+    sink = torch.zeros(2, dtype=torch.float64, requires_grad=True) if variant == "sink_logit" else None
+    attention(q, k, v, variant, opts=AttentionOptions(variant=variant), sink=sink).sum().backward()
+    assert len(calls) == (1 if variant in attn_mod.SDPA else 0), variant
+    # the sink logit: the CPU flash kernel called directly (test_attention_paths); the rest: blocks of CHUNK_ROWS
+    # queries, each run again in the backward
+    chunked = variant not in attn_mod.SDPA + ("sink_logit",)
+    assert sorted(seen) == ([44, 44, 128, 128, 128, 128] if chunked else []), seen
+    # the probe hook always takes the explicit path, all queries at once
     calls.clear()
+    seen.clear()
     attention(q, k, v, variant, opts=AttentionOptions(variant=variant), sink=sink, prob_hook=lambda p: None)
-    assert calls == []
+    assert calls == [] and seen == [300]
 
 
 def _args(name="pre_ln", **kw):
@@ -266,7 +276,7 @@ def test_the_registry_feeds_the_config_and_the_model_code():
     names = [v.name for v in reg.variants()]
     fields = {f.name: f for f in dataclasses.fields(Model)}
     assert list(fields["attention"].metadata["choices"]) == names == list(attn_mod.VARIANTS)
-    assert set(attn_mod.FUSED) == {"softmax", "softmax1", "sink_logit", "gated_head", "gated_elementwise"}
+    assert set(attn_mod.SDPA) == {"softmax", "softmax1", "gated_head", "gated_elementwise"}
     owned = {k: f.metadata["owner"] for k, f in fields.items() if f.metadata.get("kind") == reg.KIND}
     assert owned == {"attention_sink_init": "sink_logit", "attention_softpick_eps": "softpick",
                      "attention_sigmoid_bias": "sigmoid", "attention_relu_norm": "relu",

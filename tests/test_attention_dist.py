@@ -60,6 +60,19 @@ def test_gpt2_style_variants_train_equally_on_1_rank_fsdp2_and_fsdp2_tp2(tmp_pat
                         "--optimizer.no_decay", "norm,bias,embedding,sink"])
 
 
+def test_chunked_blocks_train_equally_on_1_rank_fsdp2_and_fsdp2_tp2(tmp_path):
+    # 160 tokens: two query blocks of the chunked path (128 + 32 rows), recomputed in the backward, with the heads
+    # split over TP ranks
+    args = [*TINY, "--training.steps", "4", "--training.seq_len", "160", "--model.flavor", "debug_llama",
+            "--model.n_layers", "4", "--model.attention_layers", "softpick,sigmoid,relu,clipped_softmax"]
+    runs = {layout: train(tmp_path, *args, *extra, nproc=nproc, name=layout).check()
+            for layout, (nproc, extra) in LAYOUTS.items()}
+    base = runs["one_rank"].losses
+    assert sorted(base) == [1, 2, 3, 4] and base[4] < base[1]
+    for layout in ("fsdp2", "fsdp2_tp2"):
+        assert_losses_close(runs[layout].losses, base, rtol=1e-5)
+
+
 def test_sink_logits_and_gates_resume_exactly(tmp_path, llama8):
     whole = llama8["one_rank"]
     args = [*TINY, *STEPS, *LLAMA8, *CHECKPOINTS]

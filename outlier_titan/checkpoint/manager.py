@@ -371,6 +371,7 @@ def optimizer_breaking(saved: dict, current: dict) -> dict[str, str]:
 
 
 IGNORED = {"checkpoint.load_step", "checkpoint.allow_config_change", "checkpoint.verify", "job.dry_run"}
+RUN_ONLY_MODEL_KEYS = {"model.attention_impl"}  # how the model runs, not what it is: a change is listed, not refused
 
 
 def config_changes(saved_toml: str, current_toml: str, saved_meta: dict | None = None,
@@ -390,7 +391,10 @@ def config_changes(saved_toml: str, current_toml: str, saved_meta: dict | None =
             name = f"{section}.{key}"
             if name in IGNORED or a.get(key) == b.get(key):
                 continue
-            why = "the model differs" if section == "model" else breaking.get(name)
+            if section == "model":
+                why = None if name in RUN_ONLY_MODEL_KEYS else "the model differs"
+            else:
+                why = breaking.get(name)
             out.append((name, a.get(key), b.get(key), why))
 
     def schedule_length(cfg: dict) -> Any:

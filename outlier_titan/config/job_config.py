@@ -44,6 +44,10 @@ class ModelCommon:
     attention: str | None = opt(None, attention_variants.attention_help(), attention_variants.ATTENTION_NAMES)
     attention_layers: str | None = opt(None, "Comma list of attention variants, one per block (cycled); overrides "
                                              "model.attention per block (default: none).")
+    attention_impl: str | None = opt(None, "How attention runs: auto (default: the fused kernels on a GPU, SDPA or "
+                                           "query-chunked elsewhere), fused (SDPA / FlexAttention), chunked (query "
+                                           "blocks recomputed in the backward) or explicit (the T x T weights).",
+                                     attention_variants.ATTENTION_IMPLS)
     pos_encoding: str | None = opt(None, "Position encoding.", ("learned", "rope", "none"))
     bias: bool | None = opt(None, "Biases in linear layers and norms.")
     qk_norm: bool | None = opt(None, "Per-head RMSNorm on queries and keys (GPT+).")

@@ -5,33 +5,37 @@ Every variant maps causal logits ``s_ij = scale * q_i . k_j`` (j <= i; ``scale =
 (the ones that multiply the values), unnormalised for ``sigmoid``, ``relu`` and ``softpick``.
 
 ========================  =========================================================================  ==========
-variant                   weights / output                                                           backend
+variant                   weights / output                                                           SDPA
 ========================  =========================================================================  ==========
-``softmax``               ``softmax_j(s_ij)``                                                        fused SDPA
-``softmax1``              ``exp(s_ij) / (1 + sum_j exp(s_ij))`` (Kaul et al. 2024, arXiv 2410.17174;   fused SDPA
+``softmax``               ``softmax_j(s_ij)``                                                        yes
+``softmax1``              ``exp(s_ij) / (1 + sum_j exp(s_ij))`` (Kaul et al. 2024, arXiv 2410.17174;   yes
                           a zero key and zero value prepended, exact)
-``sink_logit``            ``exp(s_ij) / (exp(c_h) + sum_j exp(s_ij))``, ``c_h`` a learned logit per     fused SDPA
-                          head with no value (gpt-oss 2025; softmax-1 is ``c_h = 0`` fixed): an extra
-                          zero key / zero value whose score is set by an additive float mask, exact
-``gated_head``            ``Y_i,h * sigmoid(x_i . w_h)``, one learned scalar gate per head and token    fused SDPA
+``sink_logit``            ``exp(s_ij) / (exp(c_h) + sum_j exp(s_ij))``, ``c_h`` a learned logit per     CPU only
+                          head with no value (gpt-oss 2025; softmax-1 is ``c_h = 0`` fixed): softmax's
+                          output times ``sigmoid(lse - c_h)``
+``gated_head``            ``Y_i,h * sigmoid(x_i . w_h)``, one learned scalar gate per head and token    yes
                           on the softmax output ``Y`` before ``wo`` (Qiu et al. 2025, arXiv 2505.06708,
                           position G1; ``x`` the block's normalised attention input)
-``gated_elementwise``     ``Y_i,h,c * sigmoid(x_i . w_h,c)``, one gate per head and channel             fused SDPA
-``softpick``              ``relu(exp(s_ij) - 1) / (sum_j |exp(s_ij) - 1| + eps)`` (Zuhri et al. 2025,   explicit
+``gated_elementwise``     ``Y_i,h,c * sigmoid(x_i . w_h,c)``, one gate per head and channel             yes
+``softpick``              ``relu(exp(s_ij) - 1) / (sum_j |exp(s_ij) - 1| + eps)`` (Zuhri et al. 2025,   no
                           arXiv 2504.20966), computed with ``m = max(max_j s_ij, 0)`` as
                           ``relu(e^(s-m) - e^-m) / (sum |e^(s-m) - e^-m| + eps e^-m)`` (exact rewrite)
-``sigmoid``               ``sigmoid(s_ij + b)``, ``b = -log(T)`` by default (Ramapuram et al. 2024,    explicit
+``sigmoid``               ``sigmoid(s_ij + b)``, ``b = -log(T)`` by default (Ramapuram et al. 2024,    no
                           arXiv 2409.04431; T the sequence length of the forward)
-``relu``                  ``relu(s_ij) / L_i``; ``L_i = i + 1`` keys seen (``prefix``), ``T``           explicit
+``relu``                  ``relu(s_ij) / L_i``; ``L_i = i + 1`` keys seen (``prefix``), ``T``           no
                           (``seq_len``) or 1 (``none``) (Guo et al. 2024, arXiv 2410.13835)
-``clipped_softmax``       ``clip((zeta - gamma) softmax_j(s_ij) + gamma, 0, 1)`` on visible keys        explicit
+``clipped_softmax``       ``clip((zeta - gamma) softmax_j(s_ij) + gamma, 0, 1)`` on visible keys        no
                           (Bondarenko et al. 2023, arXiv 2306.12929)
 ========================  =========================================================================  ==========
 
-"explicit" means the [B, H, T, T] weights are materialised in float32 (float64 for float64 inputs); the
-fused variants fall back to the same explicit formula only when the outlier probe asks for the weights.
-Logit soft-capping (``op``'s ``logit_softcap``) is applied to ``s`` before any variant; a sink logit is not
-capped.
+How a forward runs (``model.attention_impl``, :func:`attention_path`): the variants SDPA expresses exactly run on
+SDPA (no soft-cap; :mod:`outlier_titan.models.attention_sdpa`); on a GPU the others run on FlexAttention, a score
+modification plus the returned log-sum-exp (:mod:`outlier_titan.models.attention_flex`); elsewhere they run
+*chunked*: query blocks of ``CHUNK_ROWS`` rows, each against its causal prefix of keys, recomputed in the
+backward, so no [T, T] tensor is ever held. The
+explicit [B, H, T, T] weights (float32; float64 for float64 inputs) are only computed for the outlier probe
+(which reads them) and when asked for (``explicit``: the tests' oracle). Logit soft-capping (``op``'s
+``logit_softcap``) is applied to ``s`` before any variant; a sink logit is not capped.
 """
 
 from __future__ import annotations
@@ -43,14 +47,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from outlier_titan.models.attention_variants import (AttentionChoice, AttentionError, layer_variants,
+from outlier_titan.models import attention_flex
+from outlier_titan.models.attention_sdpa import sdpa_attention
+from outlier_titan.models.attention_variants import (ATTENTION_IMPLS, AttentionChoice, AttentionError, layer_variants,
                                                      option_groups, used_variants, validate_options, variants)
 from outlier_titan.options import owner_defaults
 
 # derived from the registry (outlier_titan.models.attention_variants), where a variant is added
 VARIANTS = tuple(v.name for v in variants())
-FUSED = tuple(v.name for v in variants() if v.fused)
+SDPA = tuple(v.name for v in variants() if v.sdpa)
 GATED = tuple(v.name for v in variants() if v.gated)
 WITH_SINK = tuple(v.name for v in variants() if v.with_sink)  # rows sum to < 1: the rest is the sink's share
 
@@ -71,6 +78,7 @@ class AttentionOptions:
     relu_norm: str = "prefix"
     clip_zeta: float = 1.0
     clip_gamma: float = -0.03
+    impl: str = "auto"
 
 
 def resolve_variant(args) -> None:
@@ -95,6 +103,9 @@ def validate_attention_args(args, spec: str, unsupported: tuple[str, ...] = (), 
         if v in unsupported:
             raise AttentionError(f"model.attention = {v!r} is not supported by model spec '{spec}' ({why}); "
                                  f"choose one of {', '.join(x for x in VARIANTS if x not in unsupported)}")
+    if args.attention_impl not in ATTENTION_IMPLS:
+        raise AttentionError(f"model.attention_impl = {args.attention_impl!r}: choose one of "
+                             f"{', '.join(ATTENTION_IMPLS)}")
     validate_options(args)
 
 
@@ -105,7 +116,7 @@ def block_options(args, layer_id: int) -> AttentionOptions:
     return AttentionOptions(variant=variant, sink_init=args.attention_sink_init,
                             softpick_eps=args.attention_softpick_eps, sigmoid_bias=args.attention_sigmoid_bias,
                             relu_norm=args.attention_relu_norm, clip_zeta=args.attention_clip_zeta,
-                            clip_gamma=args.attention_clip_gamma)
+                            clip_gamma=args.attention_clip_gamma, impl=args.attention_impl)
 
 
 class SinkLogit(nn.Module):
@@ -135,24 +146,33 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
-def causal_logits(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float = 0.0) -> torch.Tensor:
-    """``scale * q k^T`` [B, H, T, T] in the compute dtype, soft-capped if asked, -inf above the diagonal."""
+def causal_logits(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float = 0.0,
+                  first: int = 0) -> torch.Tensor:
+    """``scale * q k^T`` [B, H, T_q, T_k] in the compute dtype, soft-capped if asked, -inf where a key is not
+    visible; ``q`` holds the queries at positions ``first, first + 1, ...``, ``k`` the keys from position 0."""
     dt = _compute_dtype(q)
-    t = q.shape[-2]
     s = (q.to(dt) @ k.to(dt).transpose(-1, -2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    return s.masked_fill(~mask, float("-inf"))
+    return s.masked_fill(~_visible(q.shape[-2], k.shape[-2], first, s.device), float("-inf"))
+
+
+def _visible(n_queries: int, n_keys: int, first: int, device) -> torch.Tensor:
+    """[T_q, T_k] bool: key j is visible to the query at position ``first + i`` (j <= first + i)."""
+    rows = torch.arange(first, first + n_queries, device=device).view(-1, 1)
+    return torch.arange(n_keys, device=device) <= rows
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, opts: AttentionOptions, scale: float,
-                      sink: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
-    """The weights ``A`` [B, H, T, T] of ``opts.variant`` (zero above the diagonal); ``sink``: the per-head
-    logits [H] of ``sink_logit``."""
-    s = causal_logits(q, k, scale, softcap)
-    t = s.shape[-1]
-    visible = torch.ones(t, t, dtype=torch.bool, device=s.device).tril()
+                      sink: torch.Tensor | None = None, softcap: float = 0.0, first: int = 0,
+                      seq_len: int | None = None) -> torch.Tensor:
+    """The weights ``A`` [B, H, T_q, T_k] of ``opts.variant`` (zero where a key is not visible) for the queries at
+    positions ``first, ...`` of a sequence of ``seq_len`` tokens (default: the queries are the whole sequence);
+    ``sink``: the per-head logits [H] of ``sink_logit``."""
+    s = causal_logits(q, k, scale, softcap, first)
+    n_q, n_k = s.shape[-2:]
+    t = first + n_q if seq_len is None else seq_len
+    visible = _visible(n_q, n_k, first, s.device)
     v = opts.variant
     if v in ("softmax",) + GATED:
         return torch.softmax(s, dim=-1)
@@ -176,7 +196,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, opts: AttentionOptions, 
     if v == "relu":
         a = F.relu(s.masked_fill(~visible, 0.0))
         if opts.relu_norm == "prefix":
-            return a / torch.arange(1, t + 1, dtype=s.dtype, device=s.device).view(-1, 1)
+            return a / torch.arange(first + 1, first + n_q + 1, dtype=s.dtype, device=s.device).view(-1, 1)
         if opts.relu_norm == "seq_len":
             return a / t
         return a
@@ -189,35 +209,62 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, opts: AttentionOptions, 
 # ----------------------------------------------------------------------------------------------------------
 # the attention call
 
+CHUNK_ROWS = 128
+"""Queries per block of the chunked path: its transient logits are [B, H, CHUNK_ROWS, T], linear in T."""
 
-def _sink_mask(sink: torch.Tensor, t: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive float mask [1, H, T, T+1] (4-d: the fused kernels take no 3-d masks): column 0 (a zero key) scores the head's sink logit, columns 1.. are
-    the causal keys (0 or -inf)."""
-    causal = torch.zeros(t, t, dtype=dtype, device=sink.device).masked_fill(
-        ~torch.ones(t, t, dtype=torch.bool, device=sink.device).tril(), float("-inf"))
-    h = sink.shape[0]
-    return torch.cat([sink.to(dtype).view(h, 1, 1).expand(h, t, 1), causal.expand(h, t, t)], dim=-1).unsqueeze(0)
+
+def attention_path(variant: str, impl: str, device: torch.device, softcap: float = 0.0) -> str:
+    """Where a training forward of ``variant`` runs: ``sdpa``, ``flex``, ``chunked`` or ``explicit``."""
+    if impl in ("explicit", "chunked"):
+        return impl
+    # SDPA takes no soft-cap; the sink logit runs on it on the CPU (its flash kernel's lse, rescaled)
+    if not softcap and (variant in SDPA or (variant == "sink_logit" and device.type == "cpu")):
+        return "sdpa"
+    return "flex" if impl == "fused" or device.type == "cuda" else "chunked"
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions, scale: float,
+                       sink: torch.Tensor | None = None, softcap: float = 0.0, first: int = 0,
+                       seq_len: int | None = None, prob_hook=None) -> torch.Tensor:
+    """``A v`` for the queries at positions ``first, ...`` with the explicit weights ``A`` (handed to
+    ``prob_hook`` if given); ``k``, ``v``: the keys and values they see."""
+    p = attention_weights(q, k, opts, scale, sink=sink, softcap=softcap, first=first, seq_len=seq_len)
+    if prob_hook is not None:
+        prob_hook(p.detach())
+    return (p @ v.to(p.dtype)).to(q.dtype)
+
+
+def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions, scale: float,
+                      sink: torch.Tensor | None = None, softcap: float = 0.0, rows: int | None = None) -> torch.Tensor:
+    """The explicit formula one block of ``rows`` (default ``CHUNK_ROWS``) queries at a time, each block against its
+    causal prefix of keys and recomputed in the backward (only q, k, v and the output are kept): exact, memory
+    linear in T."""
+    t, rows = q.shape[-2], rows or CHUNK_ROWS
+    keep = torch.is_grad_enabled()
+    blocks = []
+    for first in range(0, t, rows):
+        last = min(t, first + rows)
+        block = (q[:, :, first:last], k[:, :, :last], v[:, :, :last], opts, scale, sink, softcap, first, t)
+        blocks.append(checkpoint(explicit_attention, *block, use_reentrant=False, preserve_rng_state=False)
+                      if keep else explicit_attention(*block))
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
 
 
 def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions, scale: float,
                   sink: torch.Tensor | None = None, softcap: float = 0.0, prob_hook=None) -> torch.Tensor:
-    """Causal attention of ``opts.variant`` over [B, H, T, d_h] (k, v already repeated to H heads). Fused SDPA
-    for the variants in ``FUSED`` without a soft-cap or probe hook; the explicit weights otherwise."""
-    if prob_hook is not None or softcap or opts.variant not in FUSED:
-        p = attention_weights(q, k, opts, scale, sink=sink, softcap=softcap)
-        if prob_hook is not None:
-            prob_hook(p.detach())
-        return (p @ v.to(p.dtype)).to(q.dtype)
-    if opts.variant == "softmax1":
-        pad = (0, 0, 1, 0)
-        out = F.scaled_dot_product_attention(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), is_causal=True,
-                                             scale=scale)
-        return out[:, :, 1:]
-    if opts.variant == "sink_logit":
-        pad = (0, 0, 1, 0)
-        mask = _sink_mask(sink, q.shape[-2], q.dtype)
-        return F.scaled_dot_product_attention(q, F.pad(k, pad), F.pad(v, pad), attn_mask=mask, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    """Causal attention of ``opts.variant`` over [B, H, T, d_h] (k, v already repeated to H heads) on the path of
+    :func:`attention_path`; with a probe hook, the explicit weights (handed to the hook)."""
+    path = "explicit" if prob_hook is not None else attention_path(opts.variant, opts.impl, q.device, softcap)
+    if path == "explicit":
+        return explicit_attention(q, k, v, opts, scale, sink=sink, softcap=softcap, prob_hook=prob_hook)
+    if path == "chunked":
+        return chunked_attention(q, k, v, opts, scale, sink=sink, softcap=softcap)
+    if path == "flex":
+        if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+            raise AttentionError(f"model.attention_impl = {opts.impl}: {opts.variant} runs on FlexAttention, which has "
+                                 f"no backward on the CPU in this torch; use auto or chunked there")
+        return attention_flex.flex_attention_variant(q, k, v, opts, scale, sink=sink, softcap=softcap)
+    return sdpa_attention(q, k, v, opts.variant, scale, sink=sink)
 
 
 def apply_gate(out: torch.Tensor, gate_logits: torch.Tensor, variant: str) -> torch.Tensor:

@@ -16,6 +16,10 @@ from outlier_titan.errors import ConfigError
 from outlier_titan.options import OptionGroup, RegisteredChoices, opt
 
 KIND = "attention variant"
+ATTENTION_IMPLS = ("auto", "fused", "chunked", "explicit")
+"""How attention runs (``model.attention_impl``): auto = the fused kernels on a GPU, SDPA or the chunked path
+elsewhere; fused = SDPA or FlexAttention (no backward on the CPU); chunked = query blocks recomputed in the
+backward, any device; explicit = the [B, H, T, T] weights (the probe's reader and the tests' oracle)."""
 ATTENTION_NAMES = RegisteredChoices()
 """The registered variant names: the choices of ``model.attention``."""
 
@@ -29,8 +33,9 @@ class AttentionVariant:
     name: str
     help: str
     """A phrase for ``--help`` (what the weights are)."""
-    fused: bool
-    """Runs as fused SDPA when no probe needs the weights (else the explicit [B, H, T, T] weights)."""
+    sdpa: bool
+    """Exact on SDPA's fused kernels (flash / cuDNN / memory-efficient, or the CPU's flash kernel); the others run
+    on FlexAttention on a GPU and on the chunked path elsewhere (``model.attention_impl``)."""
     gated: bool = False
     """A sigmoid output gate needs the block's normalised attention input."""
     with_sink: bool = False
@@ -119,18 +124,18 @@ def _check_clip(args) -> None:
 
 
 for _v in (
-    AttentionVariant("softmax", "softmax", fused=True),
-    AttentionVariant("softmax1", "exact zero sink (softmax-1)", fused=True, with_sink=True),
-    AttentionVariant("sink_logit", "learned per-head sink logit", fused=True, with_sink=True,
+    AttentionVariant("softmax", "softmax", sdpa=True),
+    AttentionVariant("softmax1", "exact zero sink (softmax-1)", sdpa=True, with_sink=True),
+    AttentionVariant("sink_logit", "learned per-head sink logit", sdpa=False, with_sink=True,
                      options=SinkLogitOptions),
-    AttentionVariant("gated_head", "sigmoid output gate per head", fused=True, gated=True),
-    AttentionVariant("gated_elementwise", "sigmoid output gate per channel", fused=True, gated=True),
-    AttentionVariant("softpick", "rectified softmax", fused=False, options=SoftpickOptions,
+    AttentionVariant("gated_head", "sigmoid output gate per head", sdpa=True, gated=True),
+    AttentionVariant("gated_elementwise", "sigmoid output gate per channel", sdpa=True, gated=True),
+    AttentionVariant("softpick", "rectified softmax", sdpa=False, options=SoftpickOptions,
                      validate=_check_softpick),
-    AttentionVariant("sigmoid", "sigmoid of the biased logits", fused=False, options=SigmoidOptions),
-    AttentionVariant("relu", "ReLU of the logits, normalised", fused=False, options=ReluOptions,
+    AttentionVariant("sigmoid", "sigmoid of the biased logits", sdpa=False, options=SigmoidOptions),
+    AttentionVariant("relu", "ReLU of the logits, normalised", sdpa=False, options=ReluOptions,
                      validate=_check_relu),
-    AttentionVariant("clipped_softmax", "stretched and clipped softmax", fused=False,
+    AttentionVariant("clipped_softmax", "stretched and clipped softmax", sdpa=False,
                      options=ClippedSoftmaxOptions, validate=_check_clip),
 ):
     register_variant(_v)
@@ -146,6 +151,7 @@ class AttentionChoice:
 
     attention: str | None = None  # default: ``softmax`` (the old key ``model.softmax`` is its alias)
     attention_layers: str = ""
+    attention_impl: str = "auto"
 
 
 def used_variants(args) -> list[str]:

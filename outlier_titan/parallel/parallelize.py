@@ -13,11 +13,11 @@ from outlier_titan.config.manager import ConfigError
 from outlier_titan.parallel.dims import ParallelDims
 from outlier_titan.parallel.fsdp import apply_fsdp
 
-# Ops whose outputs op-level selective AC keeps (everything else is recomputed in backward).
+# Ops whose outputs op-level selective AC keeps (everything else is recomputed in backward): the linear layers and
+# the fused attention kernels. Not bmm: the chunked attention's [T_q, T] logits would pile up to T x T.
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,

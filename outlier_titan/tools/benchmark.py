@@ -8,6 +8,7 @@ a minimal plain-PyTorch loop, and OrthoAdam's whole step against AdamW's.
     outlier-titan-benchmark soap-ab BEFORE_CHECKOUT [--steps 10]   # SOAP before/after in one process
     outlier-titan-benchmark compile-math [--scale gpt2] [--step-pairs 12]   # eager vs compiled element-wise math
     outlier-titan-benchmark muon [--ranks 1,2] [--layers 12] [--reps 3]   # Muon step / AdamW step per layout
+    outlier-titan-benchmark attention [--seq-lens 256,512,1024] [--impls auto,explicit]   # per attention variant
 
 ``step`` builds the debug-run trainer (world size 1, default batch) once per optimizer in this process, and a
 plain copy of its model (same weights, no parallel wrappers) stepped by a loop written here: forward, summed
@@ -184,15 +185,19 @@ def _get(d: dict, key: str, fmt: str, scale: float = 1.0) -> str:
     return fmt.format(d[key] * scale) if key in d else "-"
 
 
-def markdown(results: list[dict], args, command: str) -> str:
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine()
+
+
+def markdown(results: list[dict], args, command: str) -> str:
+    cpu = cpu_name()
     lines = ["## Optimizer step: OrthoAdam and SOAP vs AdamW", "",
              f"- Date: {datetime.date.today().isoformat()}",
              f"- Machine: {cpu}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}, "
@@ -614,6 +619,100 @@ def run_muon(args, command: str) -> None:
     print("\n".join(lines))
 
 
+def peak_bytes(fn, device: torch.device) -> int:
+    """Peak bytes of the tensors ``fn()`` allocates and holds at once (on a GPU the caching allocator's peak; on the
+    CPU torch's MemTracker, which follows every tensor's storage from allocation to release)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
+        fn()
+    return tracker.get_tracker_snapshot("peak")[device]["Total"]
+
+
+def attention_step(variant: str, impl: str, batch: int, heads: int, seq_len: int, head_dim: int, dtype, device):
+    """A closure running one forward + backward of ``variant``'s causal attention on fixed random inputs."""
+    from outlier_titan.models.attention import AttentionOptions, run_attention
+
+    g = torch.Generator(device).manual_seed(seq_len)
+    q, k, v = (torch.randn(batch, heads, seq_len, head_dim, generator=g, device=device, dtype=dtype)
+               .requires_grad_() for _ in range(3))
+    sink = torch.zeros(heads, device=device, requires_grad=True) if variant == "sink_logit" else None
+    opts = AttentionOptions(variant=variant, impl=impl)
+
+    def step():
+        run_attention(q, k, v, opts, head_dim ** -0.5, sink=sink).float().square().sum().backward()
+    return step
+
+
+def _attention_ops(step, device: torch.device) -> str:
+    """The attention operators the profiler saw in one call of ``step`` (SDPA, FlexAttention or bmm)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+    names = {e.key for e in prof.key_averages()}
+    fused = sorted(n for n in names
+                   if ("aten::_scaled_dot_product" in n or "flex" in n.lower()) and "backward" not in n)
+    return ", ".join(f"`{n.removeprefix('aten::')}`" for n in fused) or ("`bmm`" if "aten::bmm" in names else "-")
+
+
+def run_attention_bench(args, command: str) -> list[dict]:
+    """Per variant and sequence length: forward + backward time (median of interleaved reps), peak memory, the path
+    and the operators the profiler saw, for each ``--impls`` entry; the ratio to softmax on the same path."""
+    from outlier_titan.models.attention import VARIANTS, attention_path
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    variants = args.variants.split(",") if args.variants else list(VARIANTS)
+    if "softmax" not in variants:
+        variants.insert(0, "softmax")
+    impls = args.impls.split(",")
+    rows = []
+    for t in [int(x) for x in args.seq_lens.split(",")]:
+        cases = [(v, impl) for impl in impls for v in variants]
+        steps = {c: attention_step(*c, args.batch, args.heads, t, args.head_dim, dtype, device) for c in cases}
+        for step in steps.values():
+            step()  # warm-up (and compilation on a GPU)
+        times = {c: [] for c in cases}
+        for rep in range(args.reps):
+            for i in range(len(cases)):
+                c = cases[(i + rep) % len(cases)]
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                steps[c]()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times[c].append(time.perf_counter() - t0)
+        for v, impl in cases:
+            med = statistics.median(times[(v, impl)])
+            rows.append({"variant": v, "impl": impl, "seq_len": t, "s": med,
+                         "ratio": med / statistics.median(times[("softmax", impl)]),
+                         "path": attention_path(v, impl, device), "ops": _attention_ops(steps[(v, impl)], device),
+                         "peak": peak_bytes(steps[(v, impl)], device)})
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    lines = [f"date {datetime.date.today()}  machine {machine}, {torch.get_num_threads()} thread(s), "
+             f"torch {torch.__version__}", f"command: `{command}`",
+             f"B {args.batch} x H {args.heads} x d_h {args.head_dim}, {args.dtype}, causal, forward + backward "
+             f"(attention core only), median of {args.reps} interleaved reps", "",
+             "| T | variant | model.attention_impl | path | operators seen | fwd+bwd | / softmax | peak memory |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['seq_len']} | {r['variant']} | {r['impl']} | {r['path']} | {r['ops']} | "
+                     f"{r['s'] * 1e3:.1f} ms | {r['ratio']:.2f}x | {r['peak'] / 2**20:.1f} MiB |")
+    print("\n".join(lines))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = cli.parser(__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -673,11 +772,23 @@ def main(argv=None) -> int:
                     help="optimizer.muon_ns_dtype")
     mu.add_argument("--reps", type=int, default=3, help="interleaved timed repetitions")
     mu.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    at = sub.add_parser("attention", help="attention fwd+bwd time, peak memory and kernel per variant and length",
+                        formatter_class=cli.HelpFormatter)
+    at.add_argument("--variants", default="", help="comma list (default: every registered variant; softmax always)")
+    at.add_argument("--impls", default="auto,explicit", help="comma list of model.attention_impl values")
+    at.add_argument("--seq-lens", default="256,512,1024", help="comma list of sequence lengths (GPU: 512,...,4096)")
+    at.add_argument("--batch", type=int, default=2, help="sequences")
+    at.add_argument("--heads", type=int, default=4, help="attention heads")
+    at.add_argument("--head-dim", type=int, default=64, help="head dimension")
+    at.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"), help="q, k, v dtype")
+    at.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    at.add_argument("--reps", type=int, default=5, help="interleaved timed repetitions")
+    at.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args(argv)
     command = "outlier-titan-benchmark " + " ".join(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
     runs = {"optim": run_optim, "probe": run_probe, "step": run_step, "soap-ab": run_soap_ab,
-            "compile-math": run_compile_math, "muon": run_muon}
+            "compile-math": run_compile_math, "muon": run_muon, "attention": run_attention_bench}
     runs[args.bench](args, command)
     return 0
 
