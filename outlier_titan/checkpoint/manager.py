@@ -266,7 +266,7 @@ class Checkpointer:
             except OSError as e:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise self._save_failed(step, final, tmp, needed, e) from None
-            self._purge()
+            self._purge(step)
 
         on_rank0(commit, _cpu_group())
         dist.barrier()
@@ -289,11 +289,13 @@ class Checkpointer:
                           f"died); the partial {tmp.name} is not used, previous checkpoints are kept: resume from "
                           "the newest")
 
-    def _purge(self) -> None:
+    def _purge(self, saved: int) -> None:
+        """Keeps the newest ``keep_latest_k`` checkpoints up to the step just saved; a newer folder (left by
+        another try that went further) is not this run's to count or remove."""
         for stale in self.folder.glob(".tmp-step-*"):
             shutil.rmtree(stale, ignore_errors=True)
         if self.keep_latest_k > 0:
-            for step in list_checkpoints(self.folder)[:-self.keep_latest_k]:
+            for step in [s for s in list_checkpoints(self.folder) if s <= saved][:-self.keep_latest_k]:
                 shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
 
     def load(self, step: int) -> None:
