@@ -31,7 +31,7 @@ from outlier_titan.config.manager import ConfigError, to_toml
 from outlier_titan.data import build_dataloader, build_tokenizer
 from outlier_titan.data.sources import tokenizer_mismatch
 from outlier_titan.divergence import Health
-from outlier_titan.errors import DivergedError, print_error
+from outlier_titan.errors import DivergedError
 from outlier_titan.eval.perplexity import validation_budget
 from outlier_titan.hf.load import apply_initial_model, load_model_state
 from outlier_titan.models.init import Initializer
@@ -270,6 +270,9 @@ class Trainer:
                 print(f"config changed: the previous record is kept as {self.run_dir / kept}", flush=True)
 
         on_rank0(record, self._cpu_group())
+        if cfg.checkpoint.enable and self.state.step < cfg.training.steps:
+            interval = cfg.checkpoint.interval
+            self.checkpointer.check_space(min((self.state.step // interval + 1) * interval, cfg.training.steps))
         self.logger = MetricsLogger(self.run_dir, self.rank, cfg.metrics.tensorboard)
         if resume_step is not None:
             self.logger.mark_resume(resume_step)
@@ -638,13 +641,11 @@ def main(argv: list[str]) -> int:
             e = RunFailure(f"a collective failed ({_peer_failure(e)}): a peer rank died, froze or cannot be "
                            f"reached (parallelism.collective_timeout_s = {cfg.parallelism.collective_timeout_s}); "
                            "resume from the newest complete checkpoint")
-        print(f"failure: {e}", file=sys.stderr, flush=True)
         preempt.report_failure(f"failure: {e}")
         if trainer is not None:
             trainer.abort()
         return e.exit_code
     except UserError as e:
-        print_error(f"error: {e}")
         preempt.report_user_error(f"error: {e}")
         if trainer is not None:
             trainer.abort()
