@@ -414,10 +414,11 @@ class Trainer:
             if self.probe is not None and (step % cfg.observe.every == 0 or last):
                 self._run_probe(step)
             stop = self._preempt_now()
+            saved = False
             problem = self._step_problem(step, loss, norm)
             if problem:
                 self._check_divergence(step, problem, last)
-            if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or last or stop):
+            if save_due or (cfg.checkpoint.enable and stop):
                 ruined = None if problem else self._weights_problem(norm_before)
                 if problem or ruined:
                     self.log0(f"step {step}: checkpoint not saved: "
@@ -428,14 +429,16 @@ class Trainer:
                 else:
                     path = self.checkpointer.save(step)
                     self.saved_steps.append(step)
+                    saved = True
                     self.log0(f"checkpoint saved: {path}")
                     stop = stop or self._preempt_now()  # a stop signal during the save ends the run here
                 self.throughput.reset()
             if self.rank == 0:
                 self.run.heartbeat()
             if stop:
-                saved = "checkpoint saved" if cfg.checkpoint.enable else "checkpointing disabled, nothing saved"
-                self.log0(f"{self.preempted} received: stopped after step {step} ({saved})")
+                what = ("checkpoint saved" if saved else "its weights not saved, resume from the newest checkpoint"
+                        if cfg.checkpoint.enable else "checkpointing disabled, nothing saved")
+                self.log0(f"{self.preempted} received: stopped after step {step} ({what})")
                 break
         self.log0(self._summary())
 
