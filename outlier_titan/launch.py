@@ -9,7 +9,8 @@ finish their step, checkpoint and exit 75 ("stopped, resumable", ``outlier_titan
 - exits with the contract's code (``outlier_titan.exit_codes``, docs/launching.md): 0 finished, 75 stopped on
   request and resumable, 2 user error (the one-line ``error:`` of whichever rank hit it, last on the console),
   3 diverged, 1 failure (a rank died or was killed, a save failed not by the user: never 2), 130 after a second
-  Ctrl-C;
+  Ctrl-C; the ranks leave their ``error:`` / ``failure:`` line to it, so the console shows it once, last, without
+  torchrun's own lines about the ranks' exits;
 - on several hosts, points gloo at the network interface that routes to the rendezvous host (``GLOO_SOCKET_IFNAME``,
   unless set): gloo otherwise binds to the address its host name resolves to, which Debian's default hosts line
   (``127.0.1.1 <host>``) makes loopback, and the peers on other hosts then connect to their own loopback;
@@ -20,6 +21,7 @@ finish their step, checkpoint and exit 75 ("stopped, resumable", ``outlier_titan
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -116,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    # torchrun's own lines about the ranks' ends ("failed (exitcode: N)", "Sending process ... SIGTERM") would
+    # follow the contract's one line; a failure's details are printed below from the exception instead.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     args = parse_args(["--signals-to-handle", "SIGHUP,SIGQUIT", *argv])
     try:
         run(args)

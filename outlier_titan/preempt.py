@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from outlier_titan.errors import UserError
+from outlier_titan.errors import UserError, print_error
 
 # The signals the launcher (``outlier_titan.launch``) forwards to the ranks instead of handling them itself.
 FORWARDED = ("SIGTERM", "SIGUSR1", "SIGUSR2")
@@ -98,17 +98,22 @@ def launcher_alive() -> bool:
 
 
 def report_user_error(message: str) -> None:
-    """Leaves a user error's one line where the launcher will print it, whichever rank hit it."""
+    """A user error's one line: left where the launcher prints it once, whichever rank hit it; printed here
+    without a launcher."""
     _report(message, "txt")
 
 
 def report_failure(message: str) -> None:
-    """Leaves a failure's one line (not the user's: a peer died, a save failed) for the launcher to print."""
-    _report(message, "failure.txt")
+    """A failure's one line (not the user's: a peer died, a save failed): printed here at once (the launcher may
+    wait half a minute for a frozen peer before it can say anything) and left for the launcher's summary."""
+    print_error(message)
+    _report(message, "failure.txt", echo=False)
 
 
-def _report(message: str, suffix: str) -> None:
+def _report(message: str, suffix: str, echo: bool = True) -> None:
     folder = os.environ.get(ERROR_DIR_ENV)
     if folder and os.path.isdir(folder):
         with open(os.path.join(folder, f"rank-{os.environ.get('RANK', '0')}.{suffix}"), "w") as f:
             f.write(message + "\n")
+    elif echo:
+        print_error(message)

@@ -23,14 +23,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from outlier_titan import preempt
-from outlier_titan.checkpoint.manager import (Checkpointer, ModelState, OptimizerState, check_resume,
-                                              list_checkpoints, move_aside, select_checkpoint)
+from outlier_titan.checkpoint.manager import (Checkpointer, ModelState, OptimizerState, check_resume, move_aside,
+                                              select_checkpoint)
 from outlier_titan.checkpoint.run_folder import RunFolder, check_writable, on_rank0
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, to_toml
 from outlier_titan.data import build_dataloader, build_tokenizer
 from outlier_titan.data.sources import tokenizer_mismatch
-from outlier_titan.errors import DivergedError, print_error
+from outlier_titan.divergence import Health
+from outlier_titan.errors import DivergedError
 from outlier_titan.eval.perplexity import validation_budget
 from outlier_titan.hf.load import apply_initial_model, load_model_state
 from outlier_titan.models.init import Initializer
@@ -42,7 +43,7 @@ from outlier_titan.optim.tiles.base import TileAdamBase
 from outlier_titan.optim.tile_optimizers import check_tile_plans
 from outlier_titan.optim.lr_schedule import build_lr_scheduler
 from outlier_titan.parallel.dims import ParallelDims, device_type_for, init_distributed
-from outlier_titan.parallel.grads import clip_grads, grad_norm
+from outlier_titan.parallel.grads import clip_grads, grad_norm, param_norm
 from outlier_titan.parallel.parallelize import parallelize
 
 
@@ -57,7 +58,8 @@ class TrainState:
     def __init__(self):
         self.step = 0
         self.skipped_steps = 0
-        self.consecutive_skips = 0  # not checkpointed: a checkpoint is never taken right after a skip
+        self.unhealthy_steps = 0  # consecutive skipped or diverged steps; not checkpointed: none is saved after one
+        self.unhealthy_since = 0  # the first of them
 
     def state_dict(self):
         return {"step": self.step, "skipped_steps": self.skipped_steps, "rng": torch.get_rng_state()}
@@ -268,6 +270,9 @@ class Trainer:
                 print(f"config changed: the previous record is kept as {self.run_dir / kept}", flush=True)
 
         on_rank0(record, self._cpu_group())
+        if cfg.checkpoint.enable and self.state.step < cfg.training.steps:
+            interval = cfg.checkpoint.interval
+            self.checkpointer.check_space(min((self.state.step // interval + 1) * interval, cfg.training.steps))
         self.logger = MetricsLogger(self.run_dir, self.rank, cfg.metrics.tensorboard, self._start_wandb())
         if resume_step is not None:
             self.logger.mark_resume(resume_step)
@@ -275,6 +280,7 @@ class Trainer:
         self.throughput = Throughput(self.flops_per_token, self.device, self.world_size)
         self.probe = None
         self.preempted = False  # some rank received a stop signal (reduced over ranks)
+        self.saved_steps: list[int] = []  # the checkpoints this session saved
         self.tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
         self.cross_entropy = torch.compile(cross_entropy_sum) if cfg.compile.enable else cross_entropy_sum
 
@@ -321,7 +327,6 @@ class Trainer:
                 loss = self.loss_fn(logits, labels)
                 loss.backward()
             loss_sum += replicated_value(loss.detach())
-        self._last_micro = (inputs, labels)  # for the divergence guard before a save
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = grad_norm(params)
         finite = bool(torch.isfinite(norm))
@@ -334,7 +339,6 @@ class Trainer:
         else:
             self.state.skipped_steps += 1
             self.log0(f"step {self.state.step}: non-finite gradient norm, update skipped on all ranks")
-        self.state.consecutive_skips = 0 if finite else self.state.consecutive_skips + 1
         self.lr_scheduler.step()
         return loss_sum, norm
 
@@ -394,6 +398,7 @@ class Trainer:
         self.throughput.reset()
         self.t_start, self.step_start = time.perf_counter(), self.state.step
         self.last_loss = self.last_val = None
+        self.health = Health(self.tokenizer.vocab_size)
         if self._preempt_now():  # a stop signal during start-up: the step reached is already saved
             self.log0(f"{self.preempted} received during start-up: stopped before step {self.state.step + 1}")
             return
@@ -401,7 +406,10 @@ class Trainer:
             self.state.step += 1
             step = self.state.step
             lr = self.optimizer.param_groups[0]["lr"]
+            save_due = cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == total)
+            norm_before = float(param_norm(self.model.parameters())) if save_due else None  # for the guard
             loss, norm = self.train_step()
+            loss = self.global_loss(loss)
             self.throughput.add(self.tokens_per_step)
             last = step == total
             if step % cfg.metrics.log_every == 0 or last or step == 1:
@@ -416,25 +424,31 @@ class Trainer:
             if self.probe is not None and (step % cfg.observe.every == 0 or last):
                 self._run_probe(step)
             stop = self._preempt_now()
-            self._check_divergence(step)
-            if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or last or stop):
-                if self.state.consecutive_skips:
-                    self.log0(f"step {step}: checkpoint not saved: the last {self.state.consecutive_skips} "
-                              "step(s) had non-finite gradients")
-                elif not self._update_is_sound():
-                    kept = list_checkpoints(self.checkpointer.folder)
-                    self.log0(f"step {step}: checkpoint not saved: the weights this step's update produced give a "
-                              "non-finite gradient (a diverging update); "
-                              + (f"the newest sound checkpoint is step-{kept[-1]}" if kept else "none is saved"))
+            saved = False
+            problem = self._step_problem(step, loss, norm)
+            if problem:
+                self._check_divergence(step, problem, last)
+            if save_due or (cfg.checkpoint.enable and stop):
+                ruined = None if problem else self._weights_problem(norm_before)
+                if problem or ruined:
+                    self.log0(f"step {step}: checkpoint not saved: "
+                              + (f"this step diverged ({problem})" if problem else
+                                 f"the weights its update produced are ruined ({ruined})"))
+                    if ruined and last and cfg.training.max_skipped_steps:
+                        raise self._diverged(f"step {step}'s update left ruined weights ({ruined})")
                 else:
                     path = self.checkpointer.save(step)
+                    self.saved_steps.append(step)
+                    saved = True
                     self.log0(f"checkpoint saved: {path}")
+                    stop = stop or self._preempt_now()  # a stop signal during the save ends the run here
                 self.throughput.reset()
             if self.rank == 0:
                 self.run.heartbeat()
             if stop:
-                saved = "checkpoint saved" if cfg.checkpoint.enable else "checkpointing disabled, nothing saved"
-                self.log0(f"{self.preempted} received: stopped after step {step} ({saved})")
+                what = ("checkpoint saved" if saved else "its weights not saved, resume from the newest checkpoint"
+                        if cfg.checkpoint.enable else "checkpointing disabled, nothing saved")
+                self.log0(f"{self.preempted} received: stopped after step {step} ({what})")
                 break
         self.log0(self._summary())
 
@@ -493,41 +507,64 @@ class Trainer:
         parts.append(f"run folder {self.run_dir}")
         return " | ".join(parts)
 
-    def _update_is_sound(self) -> bool:
-        """Divergence guard, before every save: one forward and backward of this step's last micro-batch with the
-        updated weights must give a finite gradient norm (reduced: the same answer on every rank). Catches an
-        update whose own gradient was finite but whose result is ruined (issue 29: lr 1e6), so no checkpoint
-        ever holds such weights. Gradients and the RNG are left as a run without the check has them."""
-        inputs, labels = self._last_micro
+    def _step_problem(self, step: int, loss: float, norm: torch.Tensor) -> str | None:
+        """Why this step is unhealthy (a non-finite gradient norm: its update was skipped; a diverged loss), or
+        None; counts consecutive unhealthy steps. Every rank gets the same answer (loss and norm are reduced)."""
+        problem = None if torch.isfinite(norm) else "non-finite gradient norm"
+        problem = problem or self.health.loss_problem(loss)
+        if problem is None:
+            self.health.add_loss(loss)
+            self.state.unhealthy_steps = 0
+            return None
+        if not self.state.unhealthy_steps:
+            self.state.unhealthy_since = step
+        self.state.unhealthy_steps += 1
+        return problem
+
+    @torch.no_grad()
+    def _weights_problem(self, norm_before: float | None) -> str | None:
+        """Divergence guard, before every save: why the weights this step's update produced are ruined, or None.
+        The next step's first micro-batch, read ahead, gives the updated weights' loss as that step will see it
+        (checked against the recent losses), and their parameter norm must be finite and not a multiple of
+        ``norm_before`` (when known), so no checkpoint ever holds weights whose loss exploded while the gradients
+        were still finite. Gradients, data position and RNG are left as a run without the check has them."""
+        inputs, labels = (t.to(self.device) for t in self.train_loader.dataset.peek())
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state() if self.device.type == "cuda" else None
-        self.optimizer.zero_grad(set_to_none=True)
         logits = self.model(inputs)
         with loss_context(logits):
-            self.loss_fn(logits, labels).backward()
-        norm = grad_norm([p for p in self.model.parameters() if p.grad is not None])
-        self.optimizer.zero_grad(set_to_none=True)
+            total = torch.stack([replicated_value(self.loss_sum(logits, labels)).float(),
+                                 torch.tensor(float(labels.numel()), device=self.device)])
+        dist.all_reduce(total, group=self.dims.dp_mesh.get_group())
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng)
-        return bool(torch.isfinite(norm))
+        return self.health.weights_problem(float(total[0] / total[1]), float(param_norm(self.model.parameters())),
+                                           norm_before)
 
-    def _check_divergence(self, step: int) -> None:
-        """Stops the run after ``training.max_skipped_steps`` consecutive non-finite steps (same on every rank:
-        the gradient norm is reduced)."""
-        n, limit = self.state.consecutive_skips, self.cfg.training.max_skipped_steps
-        if limit and n >= limit:
-            kept = list_checkpoints(self.checkpointer.folder) if self.cfg.checkpoint.enable else []
-            lr = f"a lower optimizer.lr (now {self.cfg.optimizer.lr:g})"
-            what = (f"the newest checkpoint step-{kept[-1]} is kept and precedes the divergence (no checkpoint of "
-                    f"diverged weights is ever saved): resume from it (--checkpoint.load_step {kept[-1]}) with {lr}"
-                    if kept else f"no checkpoint precedes it: start afresh (another job.name, or "
-                                 f"--checkpoint.load_step 0) with {lr}")
-            raise DivergedError(f"training diverged: steps {step - n + 1}-{step} all had non-finite gradient norms "
-                                f"(training.max_skipped_steps = {limit}); {what}, or check the data")
+    def _check_divergence(self, step: int, problem: str, last: bool) -> None:
+        """Stops the run after ``training.max_skipped_steps`` consecutive unhealthy steps, or at an unhealthy
+        last step (a run never reports ruined weights as finished)."""
+        n, limit = self.state.unhealthy_steps, self.cfg.training.max_skipped_steps
+        if limit and (n >= limit or last):
+            first = self.state.unhealthy_since
+            steps = f"steps {first}-{step} were all" if first < step else f"step {step} was"
+            raise self._diverged(f"{steps} unhealthy (step {step}: {problem}; training.max_skipped_steps = {limit})")
 
-    def _log(self, step: int, loss: torch.Tensor, norm: torch.Tensor, lr: float) -> None:
-        loss_v = self.global_loss(loss)
+    def _diverged(self, what: str) -> DivergedError:
+        """The one line of a divergence: what happened and the newest checkpoint of this run's own path (the
+        one it resumed from or saved since; never a newer folder of another try) to resume from."""
+        folder = self.checkpointer.folder
+        own = [s for s in ([self.resumed_step] if self.resumed_step is not None else []) + self.saved_steps
+               if (folder / f"step-{s}" / ".metadata").is_file()]
+        lr = f"a lower optimizer.lr (now {self.cfg.optimizer.lr:g})"
+        advice = (f"this run's newest checkpoint step-{own[-1]} precedes the divergence (no checkpoint of diverged "
+                  f"weights is saved): resume from it (--checkpoint.load_step {own[-1]}) with {lr}" if own else
+                  f"no checkpoint of this run precedes it: start afresh (another job.name, or "
+                  f"--checkpoint.load_step 0) with {lr}")
+        return DivergedError(f"training diverged: {what}; {advice}, or check the data")
+
+    def _log(self, step: int, loss_v: float, norm: torch.Tensor, lr: float) -> None:
         self.last_loss = loss_v
         scalars = {"loss": loss_v, "lr": lr, "grad_norm": float(norm), **self.throughput.read(),
                    "memory_gib": peak_memory_gib(self.device), "skipped_steps": float(self.state.skipped_steps),
@@ -617,13 +654,11 @@ def main(argv: list[str]) -> int:
             e = RunFailure(f"a collective failed ({_peer_failure(e)}): a peer rank died, froze or cannot be "
                            f"reached (parallelism.collective_timeout_s = {cfg.parallelism.collective_timeout_s}); "
                            "resume from the newest complete checkpoint")
-        print(f"failure: {e}", file=sys.stderr, flush=True)
         preempt.report_failure(f"failure: {e}")
         if trainer is not None:
             trainer.abort()
         return e.exit_code
     except UserError as e:
-        print_error(f"error: {e}")
         preempt.report_user_error(f"error: {e}")
         if trainer is not None:
             trainer.abort()

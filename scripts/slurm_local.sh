@@ -2,7 +2,7 @@
 # A single-node Slurm (slurmctld + slurmd + munge) on this machine, to try and test the cluster path.
 #   scripts/slurm_local.sh start    # installs slurm-wlm + munge with apt-get if missing, starts, waits until idle
 #   scripts/slurm_local.sh status   # prints sinfo; exit 0 when the node answers
-#   scripts/slurm_local.sh stop     # stops both clusters (the one below too)
+#   scripts/slurm_local.sh stop     # stops both clusters (the one below too) and munged if start started it
 # A multi-node cluster beside it: N compute nodes node1..nodeN, each in its own network + UTS namespace (own
 # hostname, own address 10.77.0.(10+K) on a private bridge otbr0 with the host at 10.77.0.1 and no route anywhere
 # else, its own hosts file bind-mounted over /etc/hosts inside the node) with its own slurmd; slurmctld on the host;
@@ -33,13 +33,15 @@ port_taken() { # port owned by a process other than our own daemon
   (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null
 }
 
-install() {
+install() { # slurm-wlm and munge when missing; the apt-get log goes to folder $1 (created)
   command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null && return
   command -v apt-get >/dev/null || die "Slurm is not installed and apt-get is missing; install slurm-wlm and munge with your package manager"
+  local log=$1/apt.log
+  mkdir -p "$1" || die "cannot create $1; set SLURM_LOCAL_DIR / SLURM_LOCAL_NODES_DIR to a writable folder"
   echo "installing slurm-wlm and munge with apt-get ..."
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >"$DIR/apt.log" 2>&1 \
-    || { apt-get update -q >>"$DIR/apt.log" 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >>"$DIR/apt.log" 2>&1; } \
-    || die "apt-get install slurm-wlm munge failed; see $DIR/apt.log"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >"$log" 2>&1 \
+    || { apt-get update -q >>"$log" 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >>"$log" 2>&1; } \
+    || die "apt-get install slurm-wlm munge failed; see $log"
 }
 
 write_conf() {
@@ -84,10 +86,12 @@ PartitionName=local Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscr
 EOF
 }
 
-start_munge() {
+start_munge() { # munged unless one answers; the folder $1 notes a munged it started, for stop
+  local started=0
   if [ -S /run/munge/munge.socket.2 ] && munge -n </dev/null >/dev/null 2>&1; then return; fi
   [ -f /etc/munge/munge.key ] || { mkdir -p /etc/munge; dd if=/dev/urandom of=/etc/munge/munge.key bs=1k count=1 2>/dev/null; }
   mkdir -p /run/munge /var/log/munge /var/lib/munge
+  started=1
   if id munge >/dev/null 2>&1; then
     chown munge:munge /etc/munge/munge.key /run/munge /var/log/munge /var/lib/munge
     chmod 0400 /etc/munge/munge.key
@@ -96,21 +100,40 @@ start_munge() {
     chmod 0400 /etc/munge/munge.key
     munged --force
   fi
-  for _ in $(seq 50); do munge -n </dev/null >/dev/null 2>&1 && return; sleep 0.1; done
+  for _ in $(seq 50); do
+    if munge -n </dev/null >/dev/null 2>&1; then
+      [ -s /run/munge/munged.pid ] && [ "$started" = 1 ] && cp /run/munge/munged.pid "$1/munged.pid"
+      return
+    fi
+    sleep 0.1
+  done
   die "munged did not start; see /var/log/munge/munged.log"
+}
+
+stop_munge() { # the munged that starting the clusters of $DIR / $NDIR started (another cluster's stays)
+  local mark pid
+  for mark in "$DIR/munged.pid" "$NDIR/munged.pid"; do
+    [ -s "$mark" ] || continue
+    pid=$(cat "$mark")
+    if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = munged ]; then
+      kill "$pid"
+      for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    fi
+    rm -f "$mark"
+  done
 }
 
 start() {
   [ "$(id -u)" = 0 ] || die "scripts/slurm_local.sh start needs root (it installs packages and runs slurmctld/slurmd); run it with sudo"
   mkdir -p "$DIR/state" "$DIR/spool"
-  install
+  install "$DIR"
   if ! running slurmctld || ! running slurmd; then
     port_taken "$CTLD_PORT" slurmctld && die "port $CTLD_PORT is taken by another program; set SLURM_LOCAL_CTLD_PORT to a free port"
     port_taken "$SLURMD_PORT" slurmd && die "port $SLURMD_PORT is taken by another program; set SLURM_LOCAL_SLURMD_PORT to a free port"
     write_conf
   fi
   [ -e /etc/slurm/slurm.conf ] || { mkdir -p /etc/slurm; ln -s "$CONF" /etc/slurm/slurm.conf; }
-  start_munge
+  start_munge "$DIR"
   running slurmctld || slurmctld -f "$CONF" || die "slurmctld did not start; see $DIR/slurmctld.log"
   running slurmd || slurmd -f "$CONF" || die "slurmd did not start; see $DIR/slurmd.log"
   for _ in $(seq 300); do
@@ -147,7 +170,11 @@ NDIR=${SLURM_LOCAL_NODES_DIR:-/tmp/outlier_titan-slurm-nodes}
 NCONF=$NDIR/slurm.conf
 NCTLD_PORT=${SLURM_LOCAL_NODES_CTLD_PORT:-6827}
 NSLURMD_PORT=${SLURM_LOCAL_NODES_SLURMD_PORT:-6828}
-BRIDGE=otbr0
+# Names and addresses of the node network: another prefix and subnet (with other ports) make a second,
+# independent cluster beside it (the tests start one from fresh folders that way).
+NET=${SLURM_LOCAL_NODES_PREFIX:-ot}
+SUBNET=${SLURM_LOCAL_NODES_SUBNET:-10.77.0}
+BRIDGE=${NET}br0
 
 running_n() { [ -f "$NDIR/$1.pid" ] && kill -0 "$(cat "$NDIR/$1.pid")" 2>/dev/null; }
 
@@ -156,7 +183,7 @@ write_nodes_conf() {
   {
     echo "# Written by scripts/slurm_local.sh start --nodes $n: $n nodes in network namespaces, $cpus CPUs each."
     echo "ClusterName=outlier_titan_nodes"
-    echo "SlurmctldHost=$NODE(10.77.0.1)"
+    echo "SlurmctldHost=$NODE($SUBNET.1)"
     echo "SlurmctldPort=$NCTLD_PORT"
     echo "SlurmdPort=$NSLURMD_PORT"
     echo "SlurmUser=root"
@@ -184,7 +211,7 @@ write_nodes_conf() {
     echo "MinJobAge=600"
     echo "KillWait=30"
     for k in $(seq "$n"); do
-      echo "NodeName=node$k NodeAddr=10.77.0.$((10 + k)) CPUs=$cpus RealMemory=$mem State=UNKNOWN"
+      echo "NodeName=node$k NodeAddr=$SUBNET.$((10 + k)) CPUs=$cpus RealMemory=$mem State=UNKNOWN"
     done
     echo "PartitionName=nodes Nodes=node[1-$n] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO"
   } >"$NCONF"
@@ -196,23 +223,23 @@ start_nodes() {
   for tool in ip unshare nsenter; do
     command -v "$tool" >/dev/null || die "start --nodes needs '$tool' (iproute2 / util-linux); install it"
   done
-  mkdir -p "$NDIR/state" "$NDIR/spool"
-  install
+  mkdir -p "$NDIR/state" "$NDIR/spool" || die "cannot create $NDIR; set SLURM_LOCAL_NODES_DIR to a writable folder"
+  install "$NDIR"
   if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
     ip link add "$BRIDGE" type bridge 2>/dev/null \
       || die "cannot create the bridge $BRIDGE (network namespaces and bridges are not permitted here?)"
-    ip addr add 10.77.0.1/24 dev "$BRIDGE"
+    ip addr add $SUBNET.1/24 dev "$BRIDGE"
     ip link set "$BRIDGE" up
   fi
-  { echo "127.0.0.1 localhost"; echo "10.77.0.1 $NODE"
-    for k in $(seq "$n"); do echo "10.77.0.$((10 + k)) node$k"; done; } >"$NDIR/hosts"
+  { echo "127.0.0.1 localhost"; echo "$SUBNET.1 $NODE"
+    for k in $(seq "$n"); do echo "$SUBNET.$((10 + k)) node$k"; done; } >"$NDIR/hosts"
   for k in $(seq "$n"); do
-    ns=otnode$k
+    ns=${NET}node$k
     ip netns list | grep -qw "$ns" && continue
     ip netns add "$ns" 2>/dev/null || die "cannot create the network namespace $ns (not permitted here?)"
-    ip link add "otv$k" type veth peer name eth0 netns "$ns"
-    ip link set "otv$k" master "$BRIDGE" up
-    ip -n "$ns" addr add "10.77.0.$((10 + k))/24" dev eth0
+    ip link add "${NET}v$k" type veth peer name eth0 netns "$ns"
+    ip link set "${NET}v$k" master "$BRIDGE" up
+    ip -n "$ns" addr add "$SUBNET.$((10 + k))/24" dev eth0
     ip -n "$ns" link set eth0 up
     ip -n "$ns" link set lo up
   done
@@ -222,10 +249,10 @@ start_nodes() {
     port_taken "$NCTLD_PORT" none && die "port $NCTLD_PORT is taken; set SLURM_LOCAL_NODES_CTLD_PORT to a free port"
     write_nodes_conf "$n" "$cpus" "$mem"
   fi
-  start_munge
+  start_munge "$NDIR"
   running_n slurmctld || SLURM_CONF=$NCONF slurmctld -f "$NCONF" || die "slurmctld did not start; see $NDIR/slurmctld.log"
   for k in $(seq "$n"); do
-    [ -n "$(ip netns pids "otnode$k" 2>/dev/null)" ] || start_slurmd "$k"
+    [ -n "$(ip netns pids "${NET}node$k" 2>/dev/null)" ] || start_slurmd "$k"
   done
   for _ in $(seq 300); do
     states=$(SLURM_CONF=$NCONF sinfo -h -N -o %t 2>/dev/null | sort -u | tr '\n' ' ')
@@ -237,7 +264,7 @@ start_nodes() {
 
 stop_nodes() {
   local ns pid
-  for ns in $(ip netns list 2>/dev/null | awk '/^otnode[0-9]+/ {print $1}'); do
+  for ns in $(ip netns list 2>/dev/null | awk -v p="^${NET}node[0-9]+$" '$1 ~ p {print $1}'); do
     for pid in $(ip netns pids "$ns"); do kill -9 "$pid" 2>/dev/null || true; done
     ip netns del "$ns" 2>/dev/null || true
   done
@@ -254,21 +281,21 @@ start_slurmd() { # node K's slurmd, inside its namespaces (the hostname picks it
   # Debian's default line first, as on a real Debian node: `127.0.1.1 nodeK` makes the node's own name resolve to
   # loopback, which the rendezvous and gloo must not be fooled by
   { echo "127.0.1.1 node$1"; cat "$NDIR/hosts"; } >"$NDIR/hosts.node$1"
-  SLURM_CONF=$NCONF unshare --mount --uts -- sh -c "mount --bind $NDIR/hosts.node$1 /etc/hosts && hostname node$1 && exec nsenter --net=/run/netns/otnode$1 slurmd -f $NCONF" \
+  SLURM_CONF=$NCONF unshare --mount --uts -- sh -c "mount --bind $NDIR/hosts.node$1 /etc/hosts && hostname node$1 && exec nsenter --net=/run/netns/${NET}node$1 slurmd -f $NCONF" \
     || die "slurmd of node$1 did not start; see $NDIR/slurmd-node$1.log"
 }
 
 crash_node() { # kills every process of node K (its slurmd, job steps, ranks) at once, as a node failure would
-  ip netns list | grep -qw "otnode$1" || die "no node$1 (scripts/slurm_local.sh start --nodes N)"
+  ip netns list | grep -qw "${NET}node$1" || die "no node$1 (scripts/slurm_local.sh start --nodes N)"
   local pid
-  for pid in $(ip netns pids "otnode$1"); do kill -9 "$pid" 2>/dev/null || true; done
-  for _ in $(seq 100); do [ -z "$(ip netns pids "otnode$1")" ] && { echo "node$1 crashed"; return; }; sleep 0.1; done
+  for pid in $(ip netns pids "${NET}node$1"); do kill -9 "$pid" 2>/dev/null || true; done
+  for _ in $(seq 100); do [ -z "$(ip netns pids "${NET}node$1")" ] && { echo "node$1 crashed"; return; }; sleep 0.1; done
   die "processes of node$1 survived kill -9"
 }
 
 revive_node() { # starts node K's slurmd again once its namespace is empty
-  ip netns list | grep -qw "otnode$1" || die "no node$1 (scripts/slurm_local.sh start --nodes N)"
-  [ -z "$(ip netns pids "otnode$1")" ] || die "node$1 still has processes; crash it first"
+  ip netns list | grep -qw "${NET}node$1" || die "no node$1 (scripts/slurm_local.sh start --nodes N)"
+  [ -z "$(ip netns pids "${NET}node$1")" ] || die "node$1 still has processes; crash it first"
   start_slurmd "$1"
   echo "node$1 revived"
 }
@@ -293,7 +320,7 @@ while [ $# -gt 0 ]; do
 done
 case "$cmd" in
   start) if [ "$nodes" = 1 ]; then start; else start_nodes "$nodes"; fi;;
-  stop) stop_nodes; stop;;
+  stop) stop_nodes; stop; stop_munge;;
   status) if [ "$nodes" = 1 ]; then status; else status_nodes; fi;;
   *) echo "usage: scripts/slurm_local.sh {start|stop|status} [--nodes N] | {crash|revive} K" >&2; exit 2;;
 esac

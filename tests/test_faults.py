@@ -143,16 +143,23 @@ def test_unknown_stop_signal_is_one_line(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_user_error_of_any_rank_reaches_the_console(tmp_path):
-    """Issue 12: a user error on any rank is the launcher's last line, exit 2 (4 ranks, a bad data source)."""
-    cmd = [sys.executable, "-m", "outlier_titan.launch", "--standalone", "--nproc_per_node=4",
-           "--local-ranks-filter", "3", str(REPO / "train.py"), "--config", str(REPO / "train_configs/debug.toml"),
-           "--job.dump_folder", str(tmp_path), "--data.source", str(tmp_path / "missing.txt")]
+@pytest.mark.parametrize("filter_, override, start", [
+    (["--local-ranks-filter", "3"], ["--data.source", "missing.txt"], "error: data.source:"),
+    ([], ["--parallelism.tp", "3"], "error: parallelism: dp_replicate x tp = 3 does not divide"),
+])
+def test_user_error_of_any_rank_is_the_consoles_one_last_line(tmp_path, filter_, override, start):
+    """A user error on any rank (4 ranks) is shown once, as the launcher's last line, exit 2: the ranks leave it
+    to the launcher and torchrun's own "failed (exitcode: 2)" lines are not shown."""
+    cmd = [sys.executable, "-m", "outlier_titan.launch", "--standalone", "--nproc_per_node=4", *filter_,
+           str(REPO / "train.py"), "--config", str(REPO / "train_configs/debug.toml"),
+           "--job.dump_folder", str(tmp_path), *override]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: data.source:") and "missing.txt" in last, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith(start), proc.stderr[-3000:]
+    assert [line for line in lines if line.startswith("error:")] == [lines[-1]], proc.stderr[-3000:]
+    assert "exitcode" not in proc.stderr and "Sending process" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.dist
@@ -203,6 +210,35 @@ def test_ctrl_c_stops_like_sigterm_and_a_second_aborts(tmp_path, presses):
         assert code == INTERRUPTED, (code, log[-3000:])
         assert log.strip().splitlines()[-1] == "aborted by a second Ctrl-C; the newest complete checkpoint is kept"
         assert saved == [] and logged_steps(run) == 0, (saved, log[-2000:])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_stop_signal_during_a_save_stops_right_after_it(tmp_path):
+    """SIGTERM reaches both ranks while step N is being saved (they are paused while ``.tmp-step-N`` is seen, so
+    the signal lands before the commit): the run stops with step N saved, exit 75, and trains no step after it
+    (it used to train and save one more)."""
+    run = tmp_path / "run"
+    proc = launch(tmp_path, "run", "--checkpoint.interval", "1")
+    while True:
+        wait_for(lambda: saving(run), what="a checkpoint being written")
+        ranks = ranks_of(proc.pid)
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        pending = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-step-")]
+        if pending:
+            break
+        for pid in ranks:  # the save ended between the look and the pause: try the next one
+            os.kill(pid, signal.SIGCONT)
+    for pid in ranks:
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGCONT)
+    step = int(pending[0].rsplit("-", 1)[1])
+    code = finish(proc, timeout=120)
+    log = (tmp_path / "run.log").read_text()
+    assert code == STOPPED, (code, log[-3000:])
+    assert f"SIGTERM received: stopped after step {step} (checkpoint saved)" in log, log[-3000:]
+    assert max(losses(run)) == step and list_checkpoints(run / "checkpoints")[-1] == step, log[-3000:]
 
 
 @pytest.mark.dist

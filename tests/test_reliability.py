@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from outlier_titan.checkpoint.manager import list_checkpoints
 from outlier_titan.checkpoint.run_folder import STALE_SECONDS, RunFolder
 from outlier_titan.data.tokenizer import EMBEDDED_BPE
 from outlier_titan.errors import RunFolderError
@@ -204,33 +207,91 @@ def test_live_lock_refuses_on_every_rank(copy):
     assert snapshot(run_dir) == before
 
 
-def test_divergence_aborts_without_checkpointing_the_skipped_steps(copy):
+def advised_step(line: str) -> int:
+    """The step a divergence line says to resume from."""
+    m = re.search(r"--checkpoint.load_step (\d+)", line)
+    assert m, line
+    return int(m.group(1))
+
+
+def chance_loss(run_dir: Path) -> float:
+    """The loss of uniform guessing, ln vocab, from a checkpoint's meta.json."""
+    meta = next((run_dir / "checkpoints").glob("step-*/meta.json"))
+    return math.log(json.loads(meta.read_text())["vocab_size"])
+
+
+def assert_no_ruined_checkpoint(run, chance: float) -> None:
+    """Every checkpoint on disk was followed by a step whose loss beat uniform guessing (ln vocab)."""
+    for step in list_checkpoints(run.run_dir / "checkpoints"):
+        if step + 1 in run.losses:
+            assert run.losses[step + 1] < chance, (step, run.losses)
+
+
+def follow_advice(run, tmp_path: Path, args: list[str], chance: float) -> None:
+    """The divergence line's advice, followed (its checkpoint, a lower lr), resumes and trains below chance."""
+    step = advised_step(error_lines(run)[0])
+    again = train(tmp_path, *args, "--checkpoint.load_step", str(step), "--optimizer.lr", "3e-3").check()
+    assert f"resumed from {run.run_dir / 'checkpoints' / f'step-{step}'}" in again.stdout
+    after = {s: v for s, v in again.losses.items() if s > step}
+    assert after and all(v < chance for v in after.values()), after
+
+
+@pytest.mark.parametrize("lr", ["1e6", "50"])
+def test_a_huge_lr_on_resume_keeps_no_ruined_checkpoint_and_the_advice_works(copy, lr):
+    """lr 50 after good steps: the first update's gradient is finite, its weights' loss is ~10^5 (once saved,
+    kept and recommended); lr 1e6: the gradients turn non-finite. Checkpoints every step from the resume on."""
     run_dir, args = copy
-    before = snapshot(run_dir / "checkpoints")
-    run = train(run_dir.parent, *args, "--training.steps", "8", "--optimizer.lr", "1e6",
-                "--training.max_skipped_steps", "2")
+    args = [*args, "--training.steps", "8", "--checkpoint.interval", "1", "--training.max_skipped_steps", "2"]
+    before, chance = snapshot(run_dir / "checkpoints"), chance_loss(run_dir)
+    run = train(run_dir.parent, *args, "--optimizer.lr", lr)
     assert_refused(run, ["training diverged: steps", "training.max_skipped_steps = 2", "lower optimizer.lr",
-                         "the newest checkpoint step-4 is kept", "--checkpoint.load_step 4"], code=3)
-    skipped = [line for line in run.stdout.splitlines() if "non-finite gradient norm" in line]
-    assert skipped and all(5 <= int(line.split()[1].rstrip(":")) <= 8 for line in skipped)
+                         "this run's newest checkpoint step-4 precedes the divergence", "--checkpoint.load_step 4"],
+                   code=3)
+    assert "step 5: checkpoint not saved: the weights its update produced are ruined" in run.stdout, run.stdout
     assert snapshot(run_dir / "checkpoints") == before
+    follow_advice(run, run_dir.parent, args, chance)
+
+
+def test_the_advice_names_this_runs_checkpoint_not_a_newer_abandoned_one(copy):
+    """A step-12 left by another try is newer than anything of this run: the advice names step-4, which this
+    run resumed from, and the advised run keeps its own newest checkpoints (step-12 is not counted among them)."""
+    run_dir, args = copy
+    shutil.copytree(run_dir / "checkpoints" / "step-4", run_dir / "checkpoints" / "step-12")
+    args = [*args, "--training.steps", "8", "--checkpoint.interval", "1", "--training.max_skipped_steps", "2"]
+    chance = chance_loss(run_dir)
+    run = train(run_dir.parent, *args, "--checkpoint.load_step", "4", "--optimizer.lr", "50")
+    assert_refused(run, ["this run's newest checkpoint step-4 precedes", "--checkpoint.load_step 4"], code=3)
+    assert "step-12" not in run.stderr + run.stdout
+    follow_advice(run, run_dir.parent, args, chance)
+    assert list_checkpoints(run_dir / "checkpoints") == [6, 7, 8, 12]  # keep_latest_k 3 of this run, and step-12
+
+
+def test_a_blow_up_over_several_steps_ends_at_a_checkpoint_that_precedes_it(tmp_path):
+    """The lr ramps up to 0.15: the loss falls for three steps, then climbs (12.7, 14.0, 12.0 against 7.9 at
+    best, uniform guessing 8.3) with finite gradients throughout; without the loss history this run finished
+    with exit 0 and checkpoints of those weights."""
+    args = [*TINY, "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "1",
+            "--training.max_skipped_steps", "3", "--lr_scheduler.warmup_steps", "12", "--lr_scheduler.decay",
+            "constant", "--training.steps", "10", "--lr_scheduler.total_steps", "20"]
+    run = train(tmp_path, *args, "--optimizer.lr", "0.15")
+    assert_refused(run, ["training diverged: steps", "at best recently", "--checkpoint.load_step"], code=3)
+    chance = chance_loss(run.run_dir)
+    assert_no_ruined_checkpoint(run, chance)
+    follow_advice(run, tmp_path, args, chance)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_a_diverging_update_is_never_checkpointed(tmp_path, nproc):
-    """Issue 29: with lr 1e6 step 1's gradient is finite but its update ruins the weights (step 2's loss ~1e13,
-    gradient NaN). The guard before each save finds that and keeps no checkpoint of those weights; the error
-    names what to resume from (here: nothing, start afresh)."""
+def test_a_diverging_first_update_leaves_no_checkpoint(tmp_path, nproc):
+    """With lr 1e6 step 1's gradient is finite but its update ruins the weights (step 2's loss ~1e13): no
+    checkpoint of them is kept and the line says to start afresh."""
     args = [*TINY, "--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "1",
             "--checkpoint.keep_latest_k", "0", "--optimizer.lr", "1e6", "--training.max_skipped_steps", "3"]
     run = train(tmp_path, *args, nproc=nproc, launcher="outlier_titan.launch")
-    if nproc > 1:  # each rank prints the line, the launcher repeats it last (exit 3)
-        assert run.stderr.strip().splitlines()[-1] == error_lines(run)[0] and len(set(error_lines(run))) == 1
-        run.stderr = error_lines(run)[0]
-    assert_refused(run, ["training diverged: steps 2-4", "no checkpoint precedes it: start afresh",
+    if nproc > 1:  # the ranks leave the line to the launcher: once, last (exit 3)
+        assert run.stderr.strip().splitlines()[-1] == error_lines(run)[0], run.stderr[-3000:]
+    assert_refused(run, ["training diverged: steps 2-4", "no checkpoint of this run precedes it: start afresh",
                          "--checkpoint.load_step 0", "lower optimizer.lr (now 1e+06)"], code=3)
-    assert "step 1: checkpoint not saved: the weights this step's update produced give a non-finite gradient" \
-        in run.stdout, run.stdout[-3000:]
+    assert "step 1: checkpoint not saved: the weights its update produced are ruined" in run.stdout, run.stdout
     assert not (run.run_dir / "checkpoints").exists() or not any((run.run_dir / "checkpoints").iterdir())
 
 
@@ -301,8 +362,8 @@ sha256sum -c --quiet {tmp_path}/before.txt && echo KEPT
 
 @pytest.mark.slow
 def test_free_space_and_writability_are_checked_before_training(base, tmp_path):
-    """A tmpfs smaller than one checkpoint: refused before writing it; a read-only checkpoint folder: refused at
-    start, before the model is built."""
+    """A tmpfs smaller than one checkpoint: refused before the first step, in MiB; a read-only checkpoint folder:
+    refused at start, before the model is built."""
     _, args = base
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -310,8 +371,9 @@ def test_free_space_and_writability_are_checked_before_training(base, tmp_path):
 mount -t tmpfs -o size=6M tmpfs {mnt}
 {_train_cmd(args, mnt, 2)}
 echo "RC1=$?"
-ls -A {mnt}/run/checkpoints
+ls -A {mnt}
 echo "END1"
+mkdir -p {mnt}/run/checkpoints
 mount --bind {mnt}/run/checkpoints {mnt}/run/checkpoints && mount -o remount,bind,ro {mnt}/run/checkpoints
 {_train_cmd(args, mnt, 2)}
 echo "RC2=$?"
@@ -319,8 +381,9 @@ echo "RC2=$?"
     proc = _in_namespace(script)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert "RC1=2" in proc.stdout and "RC2=2" in proc.stdout and len(lines) == 2, proc.stdout + proc.stderr[-3000:]
-    assert "not enough space on device to save step 2" in lines[0] and "GiB free)" in lines[0], lines[0]
-    assert proc.stdout.split("RC1=2", 1)[1].split("END1")[0].split() == []  # nothing partial left
+    assert "not enough space on device to save step 2" in lines[0] and " MiB free)" in lines[0], lines[0]
+    assert proc.stdout.split("RC1=2", 1)[1].split("END1")[0].split() == []  # a failed start leaves no run folder
+    assert "step      1" not in proc.stdout.split("RC1=2", 1)[0]  # refused before the first step
     assert f"checkpoint folder {mnt}/run/checkpoints is not writable (Read-only file system)" in lines[1]
     assert "step      1" not in proc.stdout.split("END1", 1)[1]  # refused before training
 
@@ -369,3 +432,21 @@ def test_bad_data_source_on_the_1b_config_fails_before_the_model_is_built(tmp_pa
                 "--data.tokenizer", "embedded", config="train_configs/llama_1b_8gpu.toml", name="big")
     assert_refused(run, [f"data.source: path {tmp_path / 'no_such_corpus'} does not exist"])
     assert not run.run_dir.exists()
+
+
+def test_the_loss_reference_does_not_climb_with_a_slow_blow_up():
+    """Losses settle at 3.0 (one easy batch at 0.5 among them), then rise 5 % a step: each step alone passes,
+    yet the reference stays at the settled level, so the rise is called diverged once it doubles it; an
+    ordinary spike is not."""
+    from outlier_titan.divergence import Health
+
+    health = Health(vocab_size=50257)
+    for loss in [4.0, 3.6, 3.3, 3.1, 0.5, *[3.0] * 20]:
+        assert health.loss_problem(loss) is None
+        health.add_loss(loss)
+    assert health.loss_problem(4.5) is None  # a spike of +50 %
+    loss, steps = 3.0, 0
+    while health.loss_problem(loss) is None:
+        health.add_loss(loss)
+        loss, steps = loss * 1.05, steps + 1
+    assert health.reference() == 3.0 and 6.0 < loss < 6.4 and steps == 15

@@ -125,8 +125,9 @@ def _is_disk_full(e: BaseException) -> bool:
                for c in _root_causes(e))
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def _size(n: float) -> str:
+    """Bytes as GiB, or MiB below one GiB (a small model's checkpoint is not "0.01 GiB")."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def folder_bytes(path: Path) -> int:
@@ -201,28 +202,41 @@ class Checkpointer:
         self._expected_bytes: int | None = None
 
     def expected_bytes(self) -> int:
-        """Bytes of a checkpoint: the newest one on disk, else the state's tensor bytes over all ranks."""
+        """Bytes of a checkpoint: the state's tensor bytes over all ranks (a collective). Before the optimizer's
+        first step, when it holds no state yet, that state is estimated as two tensors per parameter (Adam's) and
+        the estimate is not kept."""
         if self._expected_bytes is None:
+            fresh = not self.states["optimizer"].optimizer.state
             local = 0
-            for key in ("model", "optimizer"):
+            for key in ("model",) if fresh else ("model", "optimizer"):
                 for t in self.states[key].state_dict().values():
                     if isinstance(t, torch.Tensor):
                         t = t.to_local() if isinstance(t, DTensor) else t
                         local += t.numel() * t.element_size()
-            total = torch.tensor([float(local)])
+            total = torch.tensor([float(local * (3 if fresh else 1))])
             dist.all_reduce(total, group=_cpu_group())
+            if fresh:
+                return int(total.item())
             self._expected_bytes = int(total.item())
         return self._expected_bytes
 
-    def _check_space(self, step: int, final: Path) -> None:
+    def check_space(self, step: int) -> None:
+        """CheckpointError when the folder's device lacks the room to save ``step`` (before the first step, so no
+        step is trained to be refused at its save). Every rank calls it; rank 0 looks."""
         needed = self.expected_bytes()
+        on_rank0(lambda: self._check_space(step, self.folder / f"step-{step}", needed), _cpu_group())
+
+    def _check_space(self, step: int, final: Path, needed: int) -> None:
         steps = list_checkpoints(self.folder)
         if steps:
             needed = max(needed, folder_bytes(self.folder / f"step-{steps[-1]}"))
-        free = shutil.disk_usage(self.folder).free
+        folder = self.folder
+        while not folder.exists():  # before the first save: the device it will be created on
+            folder = folder.parent
+        free = shutil.disk_usage(folder).free
         if free < needed * 1.05:
-            raise CheckpointError(f"not enough space on device to save step {step} to {final} (needs ~{_gib(needed)}, "
-                                  f"{_gib(free)} free); previous checkpoints are kept; free space, lower "
+            raise CheckpointError(f"not enough space on device to save step {step} to {final} (needs ~{_size(needed)}, "
+                                  f"{_size(free)} free); previous checkpoints are kept; free space, lower "
                                   "checkpoint.keep_latest_k or set job.dump_folder elsewhere")
 
     def save(self, step: int) -> Path:
@@ -234,7 +248,7 @@ class Checkpointer:
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)
-                self._check_space(step, final)
+                self._check_space(step, final, needed)
                 tmp.mkdir()
             except OSError as e:
                 raise CheckpointError(f"cannot write checkpoint step {step} to {final} ({e.strerror or e}); make "
@@ -266,7 +280,7 @@ class Checkpointer:
             except OSError as e:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise self._save_failed(step, final, tmp, needed, e) from None
-            self._purge()
+            self._purge(step)
 
         on_rank0(commit, _cpu_group())
         dist.barrier()
@@ -278,7 +292,7 @@ class Checkpointer:
         a peer rank died mid-save, a network or file-system error)."""
         if _is_disk_full(e):
             return CheckpointError(f"no space left on device while saving step {step} to {final} (needs "
-                                   f"~{_gib(needed)}); removed the partial {tmp.name}, previous checkpoints are "
+                                   f"~{_size(needed)}); removed the partial {tmp.name}, previous checkpoints are "
                                    "kept; free space or set job.dump_folder elsewhere")
         cause = _root_causes(e)[0]
         if isinstance(cause, PermissionError) or getattr(cause, "errno", None) in (errno.EACCES, errno.EROFS):
@@ -289,11 +303,13 @@ class Checkpointer:
                           f"died); the partial {tmp.name} is not used, previous checkpoints are kept: resume from "
                           "the newest")
 
-    def _purge(self) -> None:
+    def _purge(self, saved: int) -> None:
+        """Keeps the newest ``keep_latest_k`` checkpoints up to the step just saved; a newer folder (left by
+        another try that went further) is not this run's to count or remove."""
         for stale in self.folder.glob(".tmp-step-*"):
             shutil.rmtree(stale, ignore_errors=True)
         if self.keep_latest_k > 0:
-            for step in list_checkpoints(self.folder)[:-self.keep_latest_k]:
+            for step in [s for s in list_checkpoints(self.folder) if s <= saved][:-self.keep_latest_k]:
                 shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
 
     def load(self, step: int) -> None:

@@ -148,8 +148,8 @@ class Training:
                                      ("bfloat16", "float32"))
     mixed_precision_reduce: str = opt("float32", "Gradient reduce dtype.", ("bfloat16", "float32"))
     device: str = opt("auto", "Device type: auto (cuda if available), cuda or cpu.", ("auto", "cuda", "cpu"))
-    max_skipped_steps: int = opt(5, "Abort after this many consecutive steps with a non-finite gradient norm "
-                                    "(skipped updates); 0 = never abort.")
+    max_skipped_steps: int = opt(5, "Abort after this many consecutive unhealthy steps (a non-finite gradient "
+                                    "norm: update skipped; a diverged loss); 0 = never abort.")
 
 
 @dataclass

@@ -305,13 +305,26 @@ class PackedWindowDataset(IterableDataset):
         self.micro_batches_per_step = local // micro_batch_size
         self.position = 0    # global windows consumed by completed global steps
         self.micro_batch = 0  # micro-batches this rank has yielded of the current step
+        self._peeked: tuple[int, torch.Tensor] | None = None  # (start, rows) read by peek() for the next __next__
 
     def __iter__(self) -> "PackedWindowDataset":
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self) -> torch.Tensor:
+        """The rows of the next micro-batch (read once: a stream cannot re-read them cheaply)."""
         start = self.position + self.dp_rank * self.local_batch_size + self.micro_batch * self.micro_batch_size
-        rows = torch.from_numpy(self.windows.rows(start, self.micro_batch_size))
+        if self._peeked is None or self._peeked[0] != start:
+            self._peeked = (start, torch.from_numpy(self.windows.rows(start, self.micro_batch_size)))
+        return self._peeked[1]
+
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch the next ``__next__`` returns, without consuming it (the state is unchanged)."""
+        rows = self._rows()
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._rows()
+        self._peeked = None
         self.micro_batch += 1
         if self.micro_batch == self.micro_batches_per_step:
             self.position += self.global_batch_size

@@ -1,34 +1,59 @@
-"""DTensor-aware gradient norm and clipping."""
+"""DTensor-aware global norms (of gradients, of parameters) and gradient clipping."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def _copies(t: DTensor) -> int:
+    """How many ranks of the world hold each element of ``t``'s local shard: its mesh's replicated dimensions,
+    times the copies of its mesh in the world (a 1-D FSDP mesh exists once per TP rank)."""
+    mesh = t.device_mesh
+    replicated = math.prod(mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate())
+    return replicated * dist.get_world_size() // mesh.size()
 
 
 @torch.no_grad()
-def grad_norm(parameters) -> torch.Tensor:
-    """Global L2 norm of all gradients, reduced over every mesh the gradients live on.
+def global_norm(tensors) -> torch.Tensor:
+    """Global L2 norm (fp32) of ``tensors``, plain or DTensors on any meshes of the world.
 
-    Gradients on different meshes (e.g. TP-sharded matrices on a 2-D mesh, FSDP-only gains on a 1-D mesh)
-    are normed per mesh, each reduced by DTensor (replicas are not double counted), then combined.
-    """
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for p in parameters:
-        if p.grad is not None:
-            g = p.grad
-            groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
-    sq = []
-    for grads in groups.values():
-        n = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        sq.append(n.float() ** 2)
-    if not sq:
-        return torch.zeros(())
-    return torch.stack(sq).sum().sqrt()
+    DTensors: each rank sums the squares of its local shards, weighted by 1 / the copies of each element in the
+    world, and one all-reduce over the world adds them up (DTensor's own reduction would take one all-reduce
+    per mesh dimension: two sequential ones under FSDP x TP). Plain tensors are this rank's alone."""
+    groups: dict[int, list[torch.Tensor]] = defaultdict(list)
+    plain: list[torch.Tensor] = []
+    for t in tensors:
+        if not isinstance(t, DTensor):
+            plain.append(t)
+            continue
+        if any(p.is_partial() for p in t.placements):  # not met by FSDP2 / TP gradients; correct all the same
+            t = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+        groups[_copies(t)].append(t.to_local())
+    total = torch.zeros(())
+    if groups:
+        total = torch.stack([torch.nn.utils.get_total_norm(ts, norm_type=2.0, foreach=True).float() ** 2 / copies
+                             for copies, ts in groups.items()]).sum()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)
+    if plain:
+        own = torch.nn.utils.get_total_norm(plain, norm_type=2.0, foreach=True).float() ** 2
+        total = total.to(own.device) + own
+    return total.sqrt()
+
+
+def grad_norm(parameters) -> torch.Tensor:
+    """Global L2 norm of all gradients (the same value on every rank)."""
+    return global_norm(p.grad for p in parameters if p.grad is not None)
+
+
+def param_norm(parameters) -> torch.Tensor:
+    """Global L2 norm of the parameters (the same value on every rank)."""
+    return global_norm(p.detach() for p in parameters)
 
 
 @torch.no_grad()

@@ -13,8 +13,8 @@ probe pictures (``.<name>.png``: the attention map on a fixed log scale, the hid
 colour range; the same labelled pictures as TensorBoard's), and prints the table. ``--update --schemes S`` re-runs
 only the schemes ``S`` into an existing report (same model and evaluation settings, checked), keeping the others.
 
-Schemes: int8_fine, int8_fine_token, int8_moderate, int8_coarse (Kaul et al. 2024 absmax int8), int4_zeropoint (seed
-000), w8a8_static (He et al. 2024: calibrated on ``--calib-batches`` training batches per seed, ``--calib-seeds``
+Schemes: int8_fine, int8_fine_token, int8_moderate, int8_coarse (Kaul et al. 2024 absmax int8), int4_zeropoint (Kaul
+et al. 2024), w8a8_static (He et al. 2024: calibrated on ``--calib-batches`` training batches per seed, ``--calib-seeds``
 seeds, reported as mean ± std); w8a8_dynamic, w4a16_rtn, w4a4kv4_rtn, w4a16_gptq, w4a4kv4_gptq and their
 ``_hadamard`` (QuaRot-rotated) variants: GPTQ calibrates on the same batches per seed, a rotation draws its
 random signs from the seed. See ``outlier_titan/quant/ptq.py`` and ``docs/quantisation.md``.
