@@ -32,6 +32,11 @@ def test_the_choice_is_each_settings_lowest_final_val_loss_and_an_edge_is_marked
     assert json.loads((tmp_path / lr_search.CHOICE_FILE).read_text()) == choice
     row = next(ln for ln in lines if ln.startswith("| model.block=op"))
     assert "0.001: 4.5; 0.003: 4.3; 0.01: 4.2" in row and "lr 0.01 (at the grid's edge)" in row
+    # the claim's metric beside each loss: what the choice does to the phenomenon
+    for r in rows:
+        r["kurtosis_neuron_rms"] = 10 * r["optimizer.lr"]
+    lines = lr_search.section(lr_search.choose(rows, AXES, "kurtosis_neuron_rms"), tmp_path)
+    assert "final val loss (kurtosis_neuron_rms)" in lines[4] and "0.003: 4.6 (0.03)" in lines[6]
 
 
 def test_a_scale_runs_each_tuned_setting_at_its_chosen_lr_and_names_the_others():

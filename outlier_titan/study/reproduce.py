@@ -497,7 +497,7 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     if scale == "tiles" and info.tile_study:
         lines += tile_study_section(groups, info, fig_dir, scale_phrase)
     if scale == "lr":
-        lines += lr_search.section(lr_search.choose(rows, manifest["axes"]), out)
+        lines += lr_search.section(lr_search.choose(rows, manifest["axes"], info.kurtosis), out)
     if eval_failed:
         lines += [f"Evaluation failed for: {', '.join(eval_failed)} (see `<point>/eval.log`).", ""]
     if suite == "sinks2025":
