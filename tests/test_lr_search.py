@@ -51,6 +51,13 @@ def test_a_scale_runs_each_tuned_setting_at_its_chosen_lr_and_names_the_others()
     assert lrs["pre_ln_adamw_s1"] == 3e-3 and lrs["op_soap_s2"] == 1e-2
     assert "pre_rms_soap_s0" in untuned and "op_adamw_s0" in untuned and "op_soap_s0" not in untuned
     assert lrs["pre_rms_soap_s0"] == 3e-3  # not tuned: the suite file's value
+    # the report header names the same untuned points from the plan's recorded configs
+    from pathlib import Path
+
+    from outlier_titan.study.plan import build_manifest
+
+    manifest = build_manifest(load_sweep(suite_file("he2024", "cpu")), Path("/nonexistent"))
+    assert lr_search.untuned_points(manifest, choice) == untuned
     line = lr_search.header_line(choice, "reports/he2024-lr", untuned)
     assert "op, fixed, True, False, 50.0, soap, 0.95: lr 0.01 from {0.001, 0.003, 0.01} (at the grid's edge)" in line
     assert "not tuned, at the suite file's values: " in line

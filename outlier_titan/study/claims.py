@@ -96,31 +96,39 @@ def sink_measures(groups: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def _sink_claim(variant: str, opt: Any, base: dict[str, Any] | None, g: dict[str, Any], key: str,
-                label: str) -> Claim:
+                label: str) -> tuple[Claim, str]:
     """One remedy, one optimizer, one sink measure: removed (interval ≤ :data:`rules.SINK_REMOVED`) at a loss at
     most :data:`rules.LOSS_COST` above the baseline's; untestable where that optimizer's softmax baseline shows no
-    sink."""
+    sink. With the claim, the verdict in a few words for the summary table, naming the part that failed."""
     removed = rules.SINK_REMOVED.value
     with_opt = f" with {opt}" if opt is not None else ""
     text = f"{variant}{with_opt} removes the {label} sink of softmax{with_opt} ({label} ≤ {removed:g})"
     b, r = get(base, key), get(g, key)
     if b is None or r is None:
-        return text, stats.MISSING, "a point or its probe metric is missing"
+        return (text, stats.MISSING, "a point or its probe metric is missing"), "missing"
     diff = (estimate(y - x for x, y in zip(b.values, r.values))
             if base["seeds"] == g["seeds"] and b.n == r.n == len(g["seeds"]) else None)
     change = f"; change vs the baseline {diff.text()} (paired by seed)" if diff else ""
     cost = rules.loss_cost(base, g)
     if not stats.effect_present(b, removed):
-        return text, stats.UNTESTABLE, (f"the baseline forms no sink ({label} {b.text()}, t-interval not above "
-                                        f"{removed:g}); {variant} {r.text()}{change}; {cost[1]}")
+        return (text, stats.UNTESTABLE, (f"the baseline forms no sink ({label} {b.text()}, t-interval not above "
+                                         f"{removed:g}); {variant} {r.text()}{change}; {cost[1]}")), "no baseline sink"
     gone = stats.threshold_verdict(r, removed, above=False)
-    return text, stats.combine(gone, cost), f"baseline {b.text()}; {variant} {gone[1]}{change}; {cost[1]}"
+    verdict = stats.combine(gone, cost)
+    if verdict == stats.MISSING:
+        short = "missing"
+    elif gone[0] != stats.REPRODUCED:
+        short = "kept" if gone[0] == stats.NOT_REPRODUCED else "inside the noise"
+    else:
+        short = {stats.REPRODUCED: "removed", stats.NOT_REPRODUCED: "removed, loss cost > 2 %"}.get(
+            cost[0], "removed, loss cost unclear")
+    return (text, verdict, f"baseline {b.text()}; {variant} {gone[1]}{change}; {cost[1]}"), short
 
 
-def _sink_claims(groups: list[dict[str, Any]]) -> dict[tuple[Any, Any, str], Claim]:
-    """Every remedy's claim per sink measure and optimizer, keyed ``(variant, optimizer, measure key)``, in report
-    order (measure, then the groups' order)."""
-    out: dict[tuple[Any, Any, str], Claim] = {}
+def _sink_claims(groups: list[dict[str, Any]]) -> dict[tuple[Any, Any, str], tuple[Claim, str]]:
+    """Every remedy's claim and its short form per sink measure and optimizer, keyed ``(variant, optimizer,
+    measure key)``, in report order (measure, then the groups' order)."""
+    out: dict[tuple[Any, Any, str], tuple[Claim, str]] = {}
     for key, label in sink_measures(groups):
         for g in groups:
             variant, opt = g.get("model.attention"), g.get("optimizer.name")
@@ -134,7 +142,7 @@ def claims_sinks(groups: list[dict[str, Any]]) -> list[Claim]:
     """Per remedy, per optimizer (where the suite varies ``optimizer.name``) and per sink measure
     (:func:`sink_measures`): whether it removes the sink of the softmax baseline trained with the same optimizer
     at that baseline's loss, with the change against that baseline, paired by seed."""
-    return list(_sink_claims(groups).values())
+    return [claim for claim, _ in _sink_claims(groups).values()]
 
 
 def sinks_table(groups: list[dict[str, Any]]) -> list[str]:
@@ -142,27 +150,14 @@ def sinks_table(groups: list[dict[str, Any]]) -> list[str]:
     verdict from :func:`claims_sinks` in short form, and the validation loss with its change against that
     optimizer's softmax baseline (relative, paired by seed)."""
     measures = sink_measures(groups)
-    verdicts = {k: c[1] for k, c in _sink_claims(groups).items()}
-
-    def short(g: dict[str, Any], base: dict[str, Any] | None, key: str, verdict: str) -> str:
-        """The verdict in a few words, saying which part failed where the sink went but the loss did not hold."""
-        if verdict in (stats.UNTESTABLE, stats.MISSING):
-            return {stats.UNTESTABLE: "no baseline sink", stats.MISSING: "missing"}[verdict]
-        gone = stats.threshold_verdict(get(g, key), rules.SINK_REMOVED.value, above=False)[0]
-        if gone != stats.REPRODUCED:
-            return "kept" if gone == stats.NOT_REPRODUCED else "inside the noise"
-        cost = rules.loss_cost(base, g)[0]
-        return {stats.REPRODUCED: "removed", stats.NOT_REPRODUCED: "removed, loss cost > 2 %"}.get(
-            cost, "removed, loss cost unclear")
-
+    short = {k: words for k, (_, words) in _sink_claims(groups).items()}
     head = ["| attention | optimizer | " + " | ".join(label for _, label in measures)
             + " | val loss | val loss change vs softmax |", "|---|---|" + "---|" * (len(measures) + 2)]
     body = []
     for g in groups:
         variant, opt = g.get("model.attention"), g.get("optimizer.name")
         base = select(groups, {"model.attention": "softmax", "optimizer.name": opt})
-        cells = [fmt(get(g, key)) + (" (baseline)" if variant == "softmax"
-                                     else f" ({short(g, base, key, verdicts[variant, opt, key])})")
+        cells = [fmt(get(g, key)) + (" (baseline)" if variant == "softmax" else f" ({short[variant, opt, key]})")
                  for key, _ in measures]
         d = paired_relative(base, g, "final_val_loss") if base and variant != "softmax" else None
         change = f"{d.mean:+.2%} ± {(d.sd or 0):.2%}" if d else "—"

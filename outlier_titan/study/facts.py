@@ -8,7 +8,6 @@ Everything is read from the points' own records: each run's resolved ``config.to
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -40,30 +39,19 @@ def _counted(values: list[str]) -> str:
 
 
 def corpus_tokens(tokenizer_spec: str) -> int | None:
-    """Tokens of this interpreter's embedded corpus (training and validation files) with ``tokenizer_spec``,
-    cached per corpus hash and tokenizer under ``~/.cache/outlier_titan`` (it takes seconds to count)."""
-    from outlier_titan.data.sources import embedded_corpus, embedded_fingerprint
+    """Tokens of this interpreter's embedded corpus (training and validation splits) with ``tokenizer_spec``, as
+    the trainer's token cache holds them (built there if missing: the same arrays a run on this machine reads)."""
+    from outlier_titan.data.loader import cache_root, token_cache
+    from outlier_titan.data.sources import embedded_corpus
     from outlier_titan.data.tokenizer import build_tokenizer
+    from outlier_titan.errors import DataError
 
     try:
         tok = build_tokenizer(tokenizer_spec)
-    except Exception:  # a tokenizer this machine cannot build (a file elsewhere, an uncached tiktoken name)
+        return sum(token_cache(embedded_corpus(split), tok, cache_root())[1].get("tokens", 0)
+                   for split in ("train", "validation")) or None
+    except DataError:  # a tokenizer this machine cannot build, or no writable cache: the header says less
         return None
-    key = f"{embedded_fingerprint()['sha256']}:{tok.fingerprint}"
-    cache = Path.home() / ".cache" / "outlier_titan" / "corpus_tokens.json"
-    try:
-        known = json.loads(cache.read_text())
-    except (OSError, json.JSONDecodeError):
-        known = {}
-    if key not in known:
-        known[key] = sum(len(tok.encode(d)) for split in ("train", "validation")
-                         for d in embedded_corpus(split, seed=None).documents())
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps(known))
-        except OSError:
-            pass
-    return known[key]
 
 
 def corpus_line(configs: dict[str, dict[str, Any]], states: dict[str, dict[str, Any]]) -> tuple[str, str]:

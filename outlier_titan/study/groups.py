@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from outlier_titan.study.stats import Estimate, estimate
 
 
@@ -70,3 +72,13 @@ def fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def seed_band(curves: list[tuple[list, list[float]]]) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+    """(x, mean, min, max) over several runs' curves ``(xs, ys)`` at the x values all of them have: the line and
+    band every figure over seeds draws."""
+    common = sorted(set.intersection(*(set(xs) for xs, _ in curves))) if curves else []
+    if not common:
+        return [], np.array([]), np.array([]), np.array([])
+    vals = np.array([[dict(zip(xs, ys))[x] for x in common] for xs, ys in curves])
+    return common, vals.mean(0), vals.min(0), vals.max(0)

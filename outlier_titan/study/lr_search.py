@@ -88,13 +88,17 @@ def read_choice(report: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def _chosen(choice: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Setting identity -> the values chosen for it."""
+    return {setting_key(s["setting"], choice["setting_axes"]): s["chosen"] for s in choice["settings"]}
+
+
 def apply_choice(sweep, choice: dict[str, Any]) -> list[str]:
     """Sets each point of ``sweep`` whose setting the search tuned to its chosen values (in place); returns the
     names of the points left at the suite file's values."""
     from outlier_titan.config.manager import ConfigError, set_values, validate
 
-    chosen = {setting_key(s["setting"], choice["setting_axes"]): s["chosen"] for s in choice["settings"]}
-    untuned = []
+    chosen, untuned = _chosen(choice), []
     for p in sweep.points:
         values = {a: p.axes.get(a, _resolved(p.cfg, a)) for a in choice["setting_axes"]}
         tuned = chosen.get(setting_key(values, choice["setting_axes"]))
@@ -107,6 +111,20 @@ def apply_choice(sweep, choice: dict[str, Any]) -> list[str]:
         except ConfigError as e:
             raise UserError(f"point {p.name}: the lr search's choice {tuned} does not apply: {e}") from None
     return untuned
+
+
+def untuned_points(manifest: dict[str, Any], choice: dict[str, Any]) -> list[str]:
+    """The planned points (a manifest's) whose setting the search did not tune, from their recorded configs."""
+    from outlier_titan.config.manager import tomllib
+
+    chosen, out = _chosen(choice), []
+    for e in manifest["points"]:
+        cfg = tomllib.loads(e["config"])
+        values = {a: e["axes"].get(a, cfg.get(a.split(".", 1)[0], {}).get(a.split(".", 1)[1]))
+                  for a in choice["setting_axes"]}
+        if setting_key(values, choice["setting_axes"]) not in chosen:
+            out.append(e["name"])
+    return out
 
 
 def _resolved(cfg, key: str) -> Any:

@@ -25,7 +25,7 @@ from outlier_titan.packaged import configs_dir
 from outlier_titan.provenance import code_version
 from outlier_titan.study import facts, lr_search, stats
 from outlier_titan.study.claims import CLAIMS, THRESHOLDS, ours_park, sinks_table
-from outlier_titan.study.groups import aggregate, fmt, matches, num, select
+from outlier_titan.study.groups import aggregate, fmt, matches, num, seed_band, select
 from outlier_titan.study.papers import SUITE_INFO, SuiteInfo
 from outlier_titan.study.plan import point_dir
 from outlier_titan.study.results import logged_key
@@ -99,17 +99,14 @@ def suite_sweep(suite: str, scale: str):
     return sweep
 
 
-def lr_choice(suite: str, scale: str) -> str:
-    """How the learning rates were chosen: from the lr search the suite file names (``lr_from``), else the suite
-    file's own words (``lr_choice``), or ""."""
+def lr_choice(suite: str, scale: str, manifest: dict[str, Any]) -> str:
+    """How the learning rates of the planned points (``manifest``) were chosen: from the lr search the suite file
+    names (``lr_from``), else the suite file's own words (``lr_choice``), or ""."""
     report = lr_report(suite, scale)
     if report is None:
         return str(_suite_keys(suite, scale).get("lr_choice", ""))
-    from outlier_titan.study.spec import load_sweep
-
     choice = lr_search.read_choice(report)
-    untuned = lr_search.apply_choice(load_sweep(suite_file(suite, scale)), choice)
-    return lr_search.header_line(choice, str(report), untuned)
+    return lr_search.header_line(choice, str(report), lr_search.untuned_points(manifest, choice))
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -348,15 +345,14 @@ def trajectory_figures(sweep_dir: Path, rows: list[dict[str, Any]], info: SuiteI
             keys = [key, "val_loss"] if key == "loss" else [key]
             for k, style in zip(keys, ("-", "--")):
                 per_seed = [{s: v for s in recs if (v := num(recs[s].get(k))) is not None} for recs, _ in runs]
-                steps = sorted(set.intersection(*(set(d) for d in per_seed))) if per_seed else []
+                steps, mean, lo, hi = seed_band([(list(d), list(d.values())) for d in per_seed])
                 if not steps:
                     continue
-                vals = np.array([[d[s] for s in steps] for d in per_seed])
                 x = np.array(steps, dtype=float) * (runs[0][1] if xlabel == "tokens" else 1)
-                ax.plot(x, vals.mean(0), style, color=colour, marker="." if len(steps) < 30 else None,
+                ax.plot(x, mean, style, color=colour, marker="." if len(steps) < 30 else None,
                         label=f"{name} ({len(runs)} seeds)" if style == "-" else None)
                 if len(runs) > 1:
-                    ax.fill_between(x, vals.min(0), vals.max(0), color=colour, alpha=0.15, linewidth=0)
+                    ax.fill_between(x, lo, hi, color=colour, alpha=0.15, linewidth=0)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title("mean over seeds; band: their minimum to maximum", fontsize=9)
@@ -468,7 +464,7 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     groups = aggregate(rows, manifest["axes"])
     seeds = sorted({s for g in groups for s in g["seeds"] if s is not None})
     done = sum(len(g["points"]) for g in groups)
-    runs, scale_phrase = facts.header(sweep_dir, manifest, rows, seeds, lr_choice(suite, scale), out)
+    runs, scale_phrase = facts.header(sweep_dir, manifest, rows, seeds, lr_choice(suite, scale, manifest), out)
     lines = [f"# {info.title} — {scale} scale", "",
              f"Paper: {info.citation}. Suite file: `train_configs/suites/{suite}/{scale}.toml`; sweep folder: "
              f"`{sweep_dir}`. Written {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC by "

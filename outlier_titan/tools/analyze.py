@@ -27,11 +27,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import LogFormatter  # noqa: E402
 
-import numpy as np  # noqa: E402
 
 from outlier_titan import cli  # noqa: E402
 from outlier_titan.config.manager import tomllib  # noqa: E402
 from outlier_titan.observe.logger import read_metrics  # noqa: E402
+from outlier_titan.study.groups import seed_band  # noqa: E402
 
 DEFAULT_METRICS = ("kurtosis_first", "kurtosis_rest", "kurtosis_neuron_rms", "max_abs_first", "max_abs_rest",
                    "max_median_ratio", "signal_prop_cos", "first_token_argmax_share",
@@ -124,15 +124,6 @@ def group_runs(run_dirs: list[Path]) -> dict[str, list[dict[int, dict]]]:
             label += "'"
         out[label] = [read_run(d) for d in members]
     return out
-
-
-def seed_band(curves: list[tuple[list, list[float]]]) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
-    """(x, mean, min, max) over several runs' curves ``(xs, ys)`` at the x values all of them have."""
-    common = sorted(set.intersection(*(set(xs) for xs, _ in curves))) if curves else []
-    if not common:
-        return [], np.array([]), np.array([]), np.array([])
-    vals = np.array([[dict(zip(xs, ys))[x] for x in common] for xs, ys in curves])
-    return common, vals.mean(0), vals.min(0), vals.max(0)
 
 
 def _draw_group(ax, curves, label: str, n: int, **style):
