@@ -161,7 +161,7 @@ def test_tp_plans_agree_with_the_spec_roles(spec):
     each planned weight's TP shard dim is its FSDP shard dim (the residual axis stays whole on both meshes)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from outlier_titan.parallel.fsdp import shard_dim_for
+    from outlier_titan.models.roles import shard_dim_for
     from outlier_titan.parallel.tensor_parallel import tp_block_plan
 
     _, _, model = build_meta_model(ModelConfig(name=spec, flavor="debug"), 256, 32)

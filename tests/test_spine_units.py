@@ -12,7 +12,7 @@ from outlier_titan.observe.logger import Throughput, peak_flops
 from outlier_titan.optim.builder import build_optimizer, build_param_groups
 from outlier_titan.optim.lr_schedule import build_lr_scheduler, lr_factor
 from outlier_titan.models.roles import DEFAULT_ROLES
-from outlier_titan.parallel.fsdp import shard_dim_for
+from outlier_titan.models.roles import shard_dim_for
 from outlier_titan.parallel.grads import clip_grads, grad_norm
 
 

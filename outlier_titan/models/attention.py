@@ -54,6 +54,7 @@ from outlier_titan.models.attention_sdpa import sdpa_attention
 from outlier_titan.models.attention_variants import (ATTENTION_IMPLS, AttentionChoice, AttentionError, layer_variants,
                                                      option_groups, used_variants, validate_options, variants)
 from outlier_titan.options import owner_defaults
+from outlier_titan.tensors import local
 
 # derived from the registry (outlier_titan.models.attention_variants), where a variant is added
 VARIANTS = tuple(v.name for v in variants())
@@ -131,7 +132,6 @@ class SinkLogit(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_heads))
 
     def logits(self) -> torch.Tensor:
-        from outlier_titan.parallel.tensor_parallel import local
         return local(self.weight)
 
     def init_weights(self, init) -> None:

@@ -58,7 +58,7 @@ from outlier_titan.models.pre_ln import build_rope, rope_dims
 from outlier_titan.models.registry import ModelSpec, register_spec
 from outlier_titan.models.roles import DEFAULT_ROLES
 from outlier_titan.models.spec_options import NGPTOptions
-from outlier_titan.parallel.tensor_parallel import local
+from outlier_titan.tensors import local
 
 NORM_EPS = 1e-12
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from outlier_titan.errors import UserError
@@ -93,3 +94,9 @@ def roles_of(model: nn.Module) -> ParamRoles:
         if inner is None:
             return DEFAULT_ROLES
         m = inner
+
+
+def shard_dim_for(fqn: str, param: torch.Tensor, roles: ParamRoles) -> int:
+    """The dim FSDP (and TP) shard a parameter on: 1 for the matrices that write the residual stream (their input
+    axis), else 0, so the residual axis stays whole on every rank."""
+    return 1 if roles.writes_residual(fqn, param.ndim) else 0

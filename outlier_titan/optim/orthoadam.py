@@ -24,7 +24,7 @@ from outlier_titan.optim.tiles.kernels import from_tiles, rotate_tiles, to_tiles
 from outlier_titan.optim.tiles.options import EngineOptions
 from outlier_titan.optim.tiles.plan import ParamPlan, Segment
 from outlier_titan.optim.tiles.state import state_dtype_for
-from outlier_titan.parallel.tensor_parallel import local
+from outlier_titan.tensors import local
 
 
 class KronAxis:

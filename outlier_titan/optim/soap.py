@@ -42,7 +42,7 @@ from outlier_titan.optim.tiles.kernels import from_tiles, rotate_tiles, to_tiles
 from outlier_titan.optim.tiles.options import EngineOptions
 from outlier_titan.optim.tiles.plan import ParamPlan
 from outlier_titan.optim.tiles.state import as_global, state_dtype_for
-from outlier_titan.parallel.tensor_parallel import local
+from outlier_titan.tensors import local
 
 FACTOR_KEYS = ("L", "R")
 BASIS_KEYS = ("QL", "QR")

@@ -22,12 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from outlier_titan.models.roles import ParamRoles, roles_of
-
-
-def shard_dim_for(fqn: str, param: nn.Parameter, roles: ParamRoles) -> int:
-    """The FSDP shard dim of a parameter, from its role in the model's ``roles`` (see the module docstring)."""
-    return 1 if roles.writes_residual(fqn, param.ndim) else 0
+from outlier_titan.models.roles import roles_of, shard_dim_for
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,

@@ -166,6 +166,3 @@ class ShardedParams(ParallelStyle):
         return module
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor (differentiable), or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t

@@ -527,7 +527,7 @@ def _muon_worker(rank: int, world: int, port: int, args, out: dict) -> None:
 
     from outlier_titan.models.roles import DEFAULT_ROLES
     from outlier_titan.optim.muon import MuonAdamW
-    from outlier_titan.parallel.fsdp import shard_dim_for
+    from outlier_titan.models.roles import shard_dim_for
 
     torch.set_num_threads(args.threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -22,7 +22,7 @@ from outlier_titan.optim.tiles.adam import adam_directions, compiled_adam_direct
 from outlier_titan.optim.tiles.options import EngineOptions
 from outlier_titan.optim.tiles.plan import ParamPlan, describe_spec, plan_param
 from outlier_titan.optim.tiles.state import as_global, state_dtype_for
-from outlier_titan.parallel.tensor_parallel import local
+from outlier_titan.tensors import local
 
 
 class TileAdamBase(torch.optim.Optimizer, metaclass=abc.ABCMeta):

@@ -15,7 +15,7 @@ import torch
 from outlier_titan.errors import UserError
 from outlier_titan.models.roles import DEFAULT_ROLES, ParamRoles
 from outlier_titan.optim.tiles.settings import TileOptions
-from outlier_titan.parallel.fsdp import shard_dim_for
+from outlier_titan.models.roles import shard_dim_for
 
 _DECLARED = {f.name: f for f in dataclasses.fields(TileOptions)}  # defaults and choices, declared once there
 
@@ -103,7 +103,7 @@ class EngineOptions:
 
 
 def _sharded_axis(fqn: str, ndim: int, roles: ParamRoles) -> int:
-    """The axis FSDP and TP shard (``parallel.fsdp.shard_dim_for``; the residual axis stays whole)."""
+    """The axis FSDP and TP shard (``models.roles.shard_dim_for``; the residual axis stays whole)."""
     return shard_dim_for(fqn, torch.empty((1,) * ndim, device="meta"), roles)
 
 

@@ -27,7 +27,7 @@ from outlier_titan.errors import UserError
 from outlier_titan.optim.bases import Basis, is_power_of_two
 from outlier_titan.optim.tiles.options import EngineOptions
 from outlier_titan.optim.tiles.shards import local_indices, shard_boundaries
-from outlier_titan.parallel.tensor_parallel import local
+from outlier_titan.tensors import local
 
 
 

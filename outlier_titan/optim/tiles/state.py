@@ -4,7 +4,7 @@ m̂ and v̂ are DTensors with the parameter's mesh, placements and global shape 
 occupy the tile's own index region); per-tile state (SOAP's factors and bases) is a global stacked tensor
 ``[T0, T1, t, t]`` sharded along the tile axes like the parameter. All state is created at construction, so
 every rank has the same keys, and DCP reshards it between aligned layouts. Local views of it are taken with
-``parallel.tensor_parallel.local``.
+``outlier_titan.tensors.local``.
 """
 
 from __future__ import annotations
