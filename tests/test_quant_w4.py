@@ -16,7 +16,8 @@ from outlier_titan.models.attention import VARIANTS
 from outlier_titan.quant import quantizers as qz
 from outlier_titan.quant.gptq import channel_scales, gptq_quantize, rtn_grid_quantize
 from outlier_titan.quant.ptq import SCHEMES, kv_quantizer, quantized
-from outlier_titan.quant.rotation import CenteredRMSNorm, hadamard, orthogonal, rotate
+from outlier_titan.linalg import hadamard
+from outlier_titan.quant.rotation import CenteredRMSNorm, orthogonal, rotate
 
 
 def close(a, b, atol=1e-6):

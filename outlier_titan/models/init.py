@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from outlier_titan.linalg import haar_from_gaussian
+
 
 class Initializer:
     """Draws full-size initial values from a seeded generator and writes each rank's shard."""
@@ -53,8 +55,6 @@ class Initializer:
 
     def orthogonal(self, param: torch.Tensor) -> None:
         """A random (Haar) orthogonal matrix from a float64 Gaussian drawn with this initializer's generator."""
-        from outlier_titan.optim.bases import haar_from_gaussian
-
         def fill(t: torch.Tensor) -> None:
             g = torch.empty(t.shape, dtype=torch.float64, device=t.device).normal_(generator=self.gen)
             t.copy_(haar_from_gaussian(g))

@@ -33,6 +33,8 @@ from typing import Callable
 
 import torch
 
+from outlier_titan.linalg import haar_from_gaussian, is_power_of_two, sylvester_hadamard
+
 BasisFn = Callable[[int, int], torch.Tensor]
 """(size, seed) -> a float64 [size, size] orthogonal matrix whose columns are the new basis vectors."""
 
@@ -52,31 +54,9 @@ def _generator(seed: int) -> torch.Generator:
     return g
 
 
-def haar_from_gaussian(a: torch.Tensor) -> torch.Tensor:
-    """The Haar-distributed orthogonal matrix of a square Gaussian ``a``: its QR's Q, columns times sign(diag R)."""
-    q, r = torch.linalg.qr(a)
-    signs = torch.sign(torch.diagonal(r))
-    signs[signs == 0] = 1.0
-    return q * signs
-
-
 def haar_basis(size: int, seed: int) -> torch.Tensor:
     """A Haar-distributed orthogonal matrix from a float64 Gaussian drawn with ``seed``."""
     return haar_from_gaussian(torch.randn(size, size, generator=_generator(seed), dtype=torch.float64))
-
-
-def is_power_of_two(n: int) -> bool:
-    return n >= 1 and (n & (n - 1)) == 0
-
-
-def sylvester_hadamard(size: int) -> torch.Tensor:
-    """The normalised Sylvester Hadamard matrix H/sqrt(n) (float64); ``size`` must be a power of two."""
-    if not is_power_of_two(size):
-        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {size}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < size:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / (size ** 0.5)
 
 
 def _hadamard_perm_signs(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

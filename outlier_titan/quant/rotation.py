@@ -48,44 +48,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from outlier_titan.linalg import haar_from_gaussian, hadamard
 from outlier_titan.models.embed_proj import fold_embed_proj
 from outlier_titan.models.layers import Attention, LayerNorm, RMSNorm
-
-
-def _is_prime(n: int) -> bool:
-    return n >= 2 and all(n % p for p in range(2, int(math.isqrt(n)) + 1))
-
-
-def _paley(m: int) -> torch.Tensor:
-    """Paley construction I: a Hadamard matrix of order m for a prime q = m - 1 = 3 (mod 4)."""
-    q = m - 1
-    squares = {(i * i) % q for i in range(1, q)}
-    chi = [0] + [1 if i in squares else -1 for i in range(1, q)]
-    jac = torch.tensor([[chi[(j - i) % q] for j in range(q)] for i in range(q)], dtype=torch.float64)
-    s = torch.zeros(m, m, dtype=torch.float64)
-    s[0, 1:] = 1
-    s[1:, 0] = -1
-    s[1:, 1:] = jac
-    return torch.eye(m, dtype=torch.float64) + s
-
-
-def _sylvester(n: int) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
-
-
-def hadamard(n: int) -> torch.Tensor | None:
-    """An orthonormal Hadamard matrix ``H / sqrt(n)`` (float64) of order n, or None when n is not of the form
-    2^k or m 2^k with a Paley order m."""
-    k = (n & -n).bit_length() - 1  # the power of two in n
-    for j in range(k, -1, -1):
-        m = n >> j
-        if m == 1 or (m % 4 == 0 and _is_prime(m - 1) and (m - 1) % 4 == 3):
-            h = _sylvester(1 << j) if m == 1 else torch.kron(_paley(m), _sylvester(1 << j))
-            return h / math.sqrt(n)
-    return None
 
 
 def orthogonal(n: int, seed: int, randomise: bool) -> tuple[torch.Tensor, str]:
@@ -96,8 +61,7 @@ def orthogonal(n: int, seed: int, randomise: bool) -> tuple[torch.Tensor, str]:
     h = hadamard(n)
     if h is None:
         a = torch.randn(n, n, generator=g, dtype=torch.float64)
-        q, r = torch.linalg.qr(a)
-        return q * torch.sign(torch.diagonal(r)), f"random orthogonal {n} (no Hadamard of order {n} here)"
+        return haar_from_gaussian(a), f"random orthogonal {n} (no Hadamard of order {n} here)"
     if not randomise:
         return h, f"Hadamard {n}"
     signs = torch.randint(0, 2, (n,), generator=g, dtype=torch.float64) * 2 - 1

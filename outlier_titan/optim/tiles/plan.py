@@ -24,7 +24,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from outlier_titan.errors import UserError
-from outlier_titan.optim.bases import Basis, is_power_of_two
+from outlier_titan.linalg import is_power_of_two
+from outlier_titan.optim.bases import Basis
 from outlier_titan.optim.tiles.options import EngineOptions
 from outlier_titan.optim.tiles.shards import local_indices, shard_boundaries
 from outlier_titan.tensors import local
