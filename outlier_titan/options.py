@@ -34,10 +34,17 @@ class RegisteredChoices:
 
     def __init__(self) -> None:
         self._names: list[str] = []
+        self._help: dict[str, str] = {}
 
-    def add(self, name: str) -> None:
+    def add(self, name: str, help: str | None = None) -> None:
         if name not in self._names:
             self._names.append(name)
+        if help:
+            self._help[name] = help
+
+    def described(self) -> str:
+        """``a (what a is), b, ...`` for ``--help``."""
+        return ", ".join(f"{n} ({self._help[n]})" if n in self._help else n for n in self._names)
 
     def __iter__(self):
         return iter(self._names)
@@ -52,6 +59,14 @@ class RegisteredChoices:
         return repr(tuple(self._names))
 
 
+OPTIMIZER_NAMES = RegisteredChoices()
+"""``optimizer.name``'s choices: ``outlier_titan.optim.registry.register_optimizer`` fills it."""
+ATTENTION_NAMES = RegisteredChoices()
+"""``model.attention``'s choices: the attention variants' registry (``outlier_titan.models.attention_variants``)."""
+ATTENTION_IMPLS = ("auto", "fused", "chunked", "explicit")
+"""How attention runs (``model.attention_impl``): auto = the fused kernels on a GPU, SDPA or the chunked path
+elsewhere; fused = SDPA or FlexAttention (no backward on the CPU); chunked = query blocks recomputed in the
+backward, any device; explicit = the [B, H, T, T] weights (the probe's reader and the tests' oracle)."""
 DATA_SOURCE_NAMES = RegisteredChoices()
 """The named sources ``data.source`` takes besides paths (``outlier_titan.data.sources.register_source`` fills it);
 ``--help`` lists them (``names`` of the field's metadata), the value is not restricted to them."""

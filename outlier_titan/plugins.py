@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import zlib
 from pathlib import Path
 
 from outlier_titan.errors import UserError
@@ -23,7 +24,7 @@ def load_plugin(spec: str):
         path = Path(spec).expanduser().resolve()
         if not path.is_file():
             raise UserError(f"job.plugins: {spec} is not a file; give a path to a .py file or a module name")
-        name = f"outlier_titan_plugin_{path.stem}_{abs(hash(str(path))) % 10**8}"
+        name = f"outlier_titan_plugin_{path.stem}_{zlib.crc32(str(path).encode()):08x}"
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module

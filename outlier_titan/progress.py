@@ -13,6 +13,7 @@ from pathlib import Path
 
 
 def progress(argv: list[str]) -> tuple[int, int]:
+    import outlier_titan.components  # noqa: F401
     from outlier_titan.checkpoint.manager import list_checkpoints
     from outlier_titan.config.manager import parse_args
     from outlier_titan.observe.logger import read_metrics

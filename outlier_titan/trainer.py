@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+import outlier_titan.components  # noqa: F401  (the built-ins registered before any config is read)
 from outlier_titan import preempt
 from outlier_titan.checkpoint.manager import (Checkpointer, ModelState, OptimizerState, check_resume, move_aside,
                                               select_checkpoint)
@@ -30,7 +31,6 @@ from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, to_toml
 from outlier_titan.data import build_dataloader, build_tokenizer
 from outlier_titan.data.sources import tokenizer_mismatch
-from outlier_titan.divergence import Health
 from outlier_titan.errors import DivergedError
 from outlier_titan.eval.perplexity import validation_budget
 from outlier_titan.hf.load import apply_initial_model, load_model_state
@@ -38,18 +38,14 @@ from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import build_meta_model, count_params, flops_per_token
 from outlier_titan.models.roles import roles_of
 from outlier_titan.observe.logger import MetricsLogger, Throughput, peak_memory_gib
-from outlier_titan.optim.builder import build_optimizer, build_param_groups, checked_optimizer
-from outlier_titan.optim.tiles.base import TileAdamBase
-from outlier_titan.optim.tile_optimizers import check_tile_plans
+from outlier_titan.optim.builder import (after_build, build_optimizer, check_optimizer_layout, checked_optimizer,
+                                        config_owned_hyperparameters)
 from outlier_titan.optim.lr_schedule import build_lr_scheduler
 from outlier_titan.parallel.dims import ParallelDims, device_type_for, init_distributed
 from outlier_titan.parallel.grads import clip_grads, grad_norm, param_norm
 from outlier_titan.parallel.parallelize import parallelize
+from outlier_titan.training.divergence import Health
 
-
-# Optimizer settings held in param groups that the config owns (restored after a checkpoint load).
-HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay", "momentum", "alpha",
-                   "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn")  # the last four: Muon's
 
 
 class TrainState:
@@ -219,8 +215,7 @@ class Trainer:
         self.n_params = count_params(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.training.seq_len)
         parallelize(self.model, self.spec, self.args, cfg, self.dims, self.mesh, device_type)
-        check_tile_plans(build_param_groups(self.model, cfg.optimizer), cfg.optimizer,
-                         roles_of(self.model))  # before materialising
+        check_optimizer_layout(self.model, cfg.optimizer)  # before materialising
         self.model.to_empty(device=self.device)
         self.model.init_weights(Initializer(cfg.training.seed, self.device))
         if cfg.checkpoint.initial_load_path:
@@ -230,10 +225,9 @@ class Trainer:
         self.model.train()
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, seed=cfg.training.seed)
-        if hasattr(self.optimizer, "describe"):  # e.g. Muon's parameter split
-            self.log0(self.optimizer.describe())
-        if cfg.compile.enable and isinstance(self.optimizer, TileAdamBase):
-            self.optimizer.compile_math()
+        line = after_build(self.optimizer, cfg.optimizer, cfg.compile.enable)
+        if line:
+            self.log0(line)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.train_iter = iter(self.train_loader)
         self.state = TrainState()
@@ -248,7 +242,8 @@ class Trainer:
         cfg = self.cfg
         resume_step = self.resumed_step
         if resume_step is not None:
-            configured = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in self.optimizer.param_groups]
+            owned = config_owned_hyperparameters(cfg.optimizer)
+            configured = [{k: g[k] for k in owned if k in g} for g in self.optimizer.param_groups]
             base_lrs = list(self.lr_scheduler.base_lrs)
             self.checkpointer.load(resume_step)
             # The optimizer and LR-schedule states carry the saved hyperparameters; this run's config wins
@@ -636,7 +631,7 @@ def main(argv: list[str]) -> int:
         apply_initial_model(cfg)
         preempt.configure(cfg.checkpoint.stop_signals)
         if cfg.job.dry_run:
-            from outlier_titan.parallel.planning import dry_run
+            from outlier_titan.training.planning import dry_run
 
             dry_run(cfg)
             return 0

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import outlier_titan.components  # noqa: F401  (the built-in specs, variants, optimizers, metrics)
 from outlier_titan.data import build_tokenizer
 
 # One intra-op thread in the test process (the ranks and trainers the tests start get OMP_NUM_THREADS=1 too):

@@ -269,7 +269,7 @@ def test_dry_run_prints_the_split_and_counts_muon_state_bytes(capsys):
     from pathlib import Path
 
     from outlier_titan.config.manager import parse_args
-    from outlier_titan.parallel.planning import dry_run
+    from outlier_titan.training.planning import dry_run
 
     debug = str(Path(__file__).resolve().parents[1] / "train_configs" / "debug.toml")
     cfg = parse_args(["--config", debug, "--job.dry_run", "true", "--parallelism.dp_shard", "2",

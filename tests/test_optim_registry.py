@@ -1,7 +1,7 @@
-"""The optimizer registry from outside the package: a toy optimizer (signSGD with momentum, Bernstein et al. 2018,
-arXiv 1802.04434) registered here with an option of its own (``optimizer.signsgd_beta``) trains through the trainer's
-entry point, the dry run reports its state bytes, and a checkpoint saved with it refuses a resume after one of its
-layout keys changed. No edit outside this file."""
+"""The optimizer registry from outside the package: a toy optimizer (signSGD with momentum, one plug-in file,
+``tests/plugins/toy_optimizer.py``) with an option of its own (``optimizer.signsgd_beta``) trains through the trainer's
+entry point, the dry run reports its state bytes, a checkpoint saved with it refuses a resume after one of its layout
+keys changed, and a resume restores its config-owned hyperparameter from this run's config."""
 
 from __future__ import annotations
 
@@ -18,46 +18,14 @@ from outlier_titan.errors import UserError
 from outlier_titan.options import opt
 from outlier_titan.optim.registry import get_optimizer, optimizer_names, register_optimizer
 from outlier_titan.parallel.dims import free_port
-from outlier_titan.parallel.planning import plan
+from outlier_titan.plugins import load_plugin
+from outlier_titan.training.planning import plan
 from outlier_titan.trainer import main as train_main
 from tests.launch import REPO, TINY
 
 
-class SignSGD(torch.optim.Optimizer):
-    """p <- p (1 - lr wd) - lr sign(m), m <- beta m + (1 - beta) g (no buffer when momentum is off)."""
-
-    def __init__(self, params, lr: float, beta: float, momentum: bool):
-        super().__init__(params, dict(lr=lr, beta=beta, momentum=momentum, weight_decay=0.0))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                if group["momentum"]:
-                    m = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-                    g = m.mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
-                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(g.sign(), alpha=-group["lr"])
-
-
-@dataclasses.dataclass
-class SignSGDOptions:
-    signsgd_beta: float = opt(0.9, "signsgd: decay of the momentum buffer whose sign is the step.")
-
-
-def _signsgd(groups, cfg, seed):
-    return SignSGD(groups, lr=cfg.lr, beta=cfg.signsgd_beta, momentum=cfg.momentum)
-
-
-def _check(cfg):
-    if cfg.lr > 0.1:
-        raise UserError(f"signsgd: optimizer.lr must be <= 0.1, got {cfg.lr}")
-
-
-register_optimizer("signsgd", _signsgd, state_bytes=lambda cfg: 4.0 if cfg.momentum else 0.0,
-                   layout_keys=("momentum",), validate=_check, options=SignSGDOptions, replace=True)
+TOY = load_plugin(str(REPO / "tests/plugins/toy_optimizer.py"))
+SignSGD, SignSGDOptions, _signsgd, _check = TOY.SignSGD, TOY.SignSGDOptions, TOY._signsgd, TOY._check
 
 
 def _run(monkeypatch, tmp_path, *overrides: str) -> int:
@@ -102,8 +70,7 @@ def test_the_toy_optimizer_brings_its_own_option(tmp_path):
         parse_args(base + ["--optimizer.signsgd_beta", "high"])
     # the same registration again is a no-op; a key another owner has is refused, naming the fix
     register_optimizer("signsgd", _signsgd, state_bytes=4, options=SignSGDOptions, replace=True)
-    register_optimizer("signsgd", _signsgd, state_bytes=lambda cfg: 4.0 if cfg.momentum else 0.0,
-                       layout_keys=("momentum",), validate=_check, options=SignSGDOptions, replace=True)
+    TOY.register()
 
     @dataclasses.dataclass
     class Clash:
@@ -259,3 +226,24 @@ def test_a_resumed_run_takes_its_own_adam_kernel_not_the_checkpoints(tmp_path):
         assert float(resumed.state[p]["step"]) == 4.0 and resumed.state[p]["step"].dtype == torch.float32
     losses = train_losses(model, resumed, batches[4:])
     assert all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.parametrize("owned", [True, False])
+def test_a_resume_restores_the_plugins_config_owned_hyperparameters(monkeypatch, tmp_path, owned):
+    """Saved with beta 0.5, resumed with 0.7: the steps after the resume use 0.7 because the optimizer registered
+    ``beta`` as config-owned; without that registration they keep the checkpoint's 0.5 (the test can fail)."""
+    seen = []
+    step = SignSGD.step
+    monkeypatch.setattr(SignSGD, "step", lambda self, closure=None: (
+        seen.append({g["beta"] for g in self.param_groups}), step(self, closure))[1])
+    if not owned:
+        register_optimizer("signsgd", _signsgd, state_bytes=lambda cfg: 4.0 if cfg.momentum else 0.0,
+                           layout_keys=("momentum",), validate=_check, options=SignSGDOptions, replace=True)
+    try:
+        common = ["--checkpoint.enable", "true", "--checkpoint.interval", "4", "--lr_scheduler.total_steps", "6"]
+        assert _run(monkeypatch, tmp_path, "--training.steps", "4", "--optimizer.signsgd_beta", "0.5", *common) == 0
+        seen.clear()
+        assert _run(monkeypatch, tmp_path, "--training.steps", "6", "--optimizer.signsgd_beta", "0.7", *common) == 0
+    finally:
+        TOY.register()
+    assert seen[-2:] == [{0.7 if owned else 0.5}] * 2, seen  # steps 5 and 6 (before them: the state's init)

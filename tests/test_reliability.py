@@ -438,7 +438,7 @@ def test_the_loss_reference_does_not_climb_with_a_slow_blow_up():
     """Losses settle at 3.0 (one easy batch at 0.5 among them), then rise 5 % a step: each step alone passes,
     yet the reference stays at the settled level, so the rise is called diverged once it doubles it; an
     ordinary spike is not."""
-    from outlier_titan.divergence import Health
+    from outlier_titan.training.divergence import Health
 
     health = Health(vocab_size=50257)
     for loss in [4.0, 3.6, 3.3, 3.1, 0.5, *[3.0] * 20]:

@@ -20,7 +20,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,9 +38,12 @@ from torch.distributed.tensor import DTensor
 
 from outlier_titan.checkpoint import integrity
 from outlier_titan.checkpoint.run_folder import on_rank0
-from outlier_titan.config.job_config import Optimizer as OptimizerConfig
+from outlier_titan.config.job_config import OptimizerCommon
 from outlier_titan.errors import CheckpointError, RunFailure
 from outlier_titan.optim.builder import get_optimizer  # the registry, with the built-ins registered
+
+if TYPE_CHECKING:
+    from outlier_titan.config.job_config import Optimizer as OptimizerConfig
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -379,8 +382,9 @@ BREAKING = {
 def optimizer_breaking(saved: dict, current: dict) -> dict[str, str]:
     """``optimizer.KEY`` -> why, for the layout keys the checkpoint's optimizer registered (``optim/registry.py``);
     with another optimizer name the change of ``optimizer.name`` already breaks the run."""
-    name = saved.get("optimizer", {}).get("name", OptimizerConfig.name)
-    if name != current.get("optimizer", {}).get("name", OptimizerConfig.name):
+    default = OptimizerCommon.name
+    name = saved.get("optimizer", {}).get("name", default)
+    if name != current.get("optimizer", {}).get("name", default):
         return {}
     spec = get_optimizer(name)
     return {f"optimizer.{k}": f"the {name} optimizer state layout differs" for k in spec.breaking_keys()}

@@ -14,12 +14,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from outlier_titan.errors import UserError
-from outlier_titan.models import attention_variants, spec_options
-from outlier_titan.optim import muon_settings
-from outlier_titan.optim.tiles import settings as tile_settings
-from outlier_titan.options import DATA_SOURCE_NAMES, OptionGroup, RegisteredChoices, compose_section, opt
-
-OPTIMIZER_NAMES = RegisteredChoices()
+from outlier_titan.options import (ATTENTION_IMPLS, ATTENTION_NAMES, DATA_SOURCE_NAMES, OPTIMIZER_NAMES, OptionGroup,
+                                   compose_section, opt)
 
 
 @dataclass
@@ -28,6 +24,9 @@ class Job:
     dump_folder: str = opt("./outputs", "Folder that holds run folders.")
     description: str = opt("", "Free text saved with the run.")
     dry_run: bool = opt(False, "Plan only: build on the meta device, print params/FLOPs/memory per rank, exit.")
+    plugins: list = opt([], "Your components: modules or .py files (comma list) imported on every rank before the "
+                            "config is read, registering optimizers, attention variants, metrics, PTQ schemes or "
+                            "model specs (docs/extending.md). A TOML file's paths are relative to its folder.")
 
 
 @dataclass
@@ -40,14 +39,14 @@ class ModelCommon:
     softmax: str | None = opt(None, "Old spelling of model.attention (softmax or softmax1 only).",
                               ("softmax", "softmax1"))
     # --- attention variants (pre_ln, op; docs/attention.md): the variants and their own options
-    # (model.attention_sink_init, ...) are registered in outlier_titan.models.attention_variants
-    attention: str | None = opt(None, attention_variants.attention_help(), attention_variants.ATTENTION_NAMES)
+    # (model.attention_sink_init, ...) are registered by the variants (outlier_titan.models.attention_variants)
+    attention: str | None = opt(None, lambda: f"Attention variant: {ATTENTION_NAMES.described()}.", ATTENTION_NAMES)
     attention_layers: str | None = opt(None, "Comma list of attention variants, one per block (cycled); overrides "
                                              "model.attention per block (default: none).")
     attention_impl: str | None = opt(None, "How attention runs: auto (default: the fused kernels on a GPU, SDPA or "
                                            "query-chunked elsewhere), fused (SDPA / FlexAttention), chunked (query "
                                            "blocks recomputed in the backward) or explicit (the T x T weights).",
-                                     attention_variants.ATTENTION_IMPLS)
+                                     ATTENTION_IMPLS)
     pos_encoding: str | None = opt(None, "Position encoding.", ("learned", "rope", "none"))
     bias: bool | None = opt(None, "Biases in linear layers and norms.")
     qk_norm: bool | None = opt(None, "Per-head RMSNorm on queries and keys (GPT+).")
@@ -63,12 +62,6 @@ class ModelCommon:
     vocab_size: int | None = opt(None, "Vocabulary size; default: the tokenizer's, padded to a multiple of 64.")
     max_seq_len: int | None = opt(None, "Longest sequence for learned positions / RoPE; default training.seq_len.")
     rope_fraction: float | None = opt(None, "Share of each head's dims rotated by RoPE (GPT+/anGPT: 0.5).")
-
-
-Model = compose_section("Model", ModelCommon, spec_options.option_groups() + attention_variants.option_groups(),
-                        optional=True, module=__name__)
-"""The ``[model]`` section: the common options, then each model spec's own (``models/spec_options.py``) and each
-attention variant's own (``models/attention_variants.py``); None: the owner's default (or the flavor's)."""
 
 
 @dataclass
@@ -91,39 +84,57 @@ class OptimizerCommon:
                          "(learned attention sink logits).")
 
 
-Optimizer = compose_section("Optimizer", OptimizerCommon, tile_settings.option_groups() + muon_settings.option_groups(),
-                            optional=False, module=__name__)
-"""The ``[optimizer]`` section as composed at import: the common options, then the tile engine's (orthoadam, soap:
-``optim/tiles/settings.py``), OrthoAdam's and SOAP's, and Muon's (``optim/muon_settings.py``). An optimizer
-registered later with options (``register_optimizer(..., options=...)``) extends it: :func:`section_class`."""
-
-_SECTIONS: dict[str, type] = {"optimizer": Optimizer}
+_COMMON = {"model": ModelCommon, "optimizer": OptimizerCommon}
+_OPTIONAL = {"model": True, "optimizer": False}
+"""[model] fields hold None for "the owner's default (or the flavor's)"; [optimizer] fields hold the default."""
+_GROUPS: dict[str, list[OptionGroup]] = {"model": [], "optimizer": []}
+_SECTIONS: dict[str, type] = {}
 
 
 def section_class(name: str) -> type:
-    """The current class of a section that registrations may extend (``optimizer``)."""
+    """The ``[model]`` or ``[optimizer]`` section as composed now: the common options, then every registered
+    component's own (model specs', attention variants', optimizers'), in registration order. ``Model`` and
+    ``Optimizer`` of this module are this (composed when first read)."""
+    if not len(ATTENTION_NAMES) or not len(OPTIMIZER_NAMES):
+        raise UserError("no model components are registered: import outlier_titan.components first (every entry "
+                        "point does; it registers the built-in specs, attention variants and optimizers)")
+    if name not in _SECTIONS:
+        _SECTIONS[name] = compose_section(name.capitalize(), _COMMON[name], _GROUPS[name], optional=_OPTIONAL[name],
+                                          module=__name__)
     return _SECTIONS[name]
 
 
+def __getattr__(name: str) -> type:
+    if name in ("Model", "Optimizer"):
+        return section_class(name.lower())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def add_option_group(group: OptionGroup) -> None:
-    """Composes ``group`` (an optimizer's own options) into the ``[optimizer]`` section: ``JobConfig()`` made from
-    now on has its keys, with their defaults, and ``--help`` lists them under their owner. Registering the same
-    owner and keys again is a no-op; a key another owner (or the common section) already has is a UserError."""
-    if group.section != "optimizer":
-        raise UserError(f"options of {group.label()}: only [optimizer] takes groups after import (the [model] "
-                        f"groups are composed when outlier_titan.config.job_config is imported)")
-    current = _SECTIONS["optimizer"]
-    have = {f.name: f for f in dataclasses.fields(current)}
-    keys = [f.name for f in dataclasses.fields(group.cls)]
-    if all(k in have and group.owner in have[k].metadata.get("owner", "").split(", ") for k in keys):
+    """Composes ``group`` (a component's own options) into its section (``[model]`` or ``[optimizer]``): configs
+    made from now on have its keys, with their defaults, and ``--help`` lists them under their owner. Registering
+    the same options again is a no-op; a key another owner declares with the same type (and, in ``[optimizer]``,
+    the same default) is shared (its metadata names both owners); otherwise a key that exists is a UserError."""
+    if group.section not in _GROUPS:
+        raise UserError(f"options of {group.label()}: a component may add options to [model] or [optimizer], "
+                        f"not [{group.section}]")
+    groups = _GROUPS[group.section]
+    if any(g.owner == group.owner and g.kind == group.kind and g.cls is group.cls for g in groups):
         return
-    taken = [k for k in keys if k in have]
-    if taken:
-        raise UserError(f"options of {group.label()}: optimizer.{taken[0]} already exists; give the option a name "
-                        f"with the optimizer's prefix (e.g. {group.owner}_{taken[0]})")
-    global Optimizer  # the module's name for the class follows (pickle finds the current class by it)
-    Optimizer = _SECTIONS["optimizer"] = compose_section("Optimizer", current, [group], optional=False,
-                                                         module=__name__)
+    try:
+        cls = compose_section(group.section.capitalize(), _COMMON[group.section], groups + [group],
+                              optional=_OPTIONAL[group.section], module=__name__)
+    except TypeError as e:
+        have = {f.name for g in groups for f in dataclasses.fields(g.cls)} | {f.name for f in dataclasses.fields(
+            _COMMON[group.section])}
+        taken = [f.name for f in dataclasses.fields(group.cls) if f.name in have]
+        if not taken:
+            raise UserError(f"options of {group.label()}: {e}") from None
+        raise UserError(f"options of {group.label()}: {group.section}.{taken[0]} already exists; give the option "
+                        f"a name with the owner's prefix (e.g. {group.owner}_{taken[0]}), or the same type and "
+                        f"default to share it") from None
+    groups.append(group)
+    _SECTIONS[group.section] = cls
 
 
 @dataclass
@@ -245,8 +256,8 @@ class Observe:
 @dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
-    model: Model = field(default_factory=Model)
-    optimizer: Optimizer = field(default_factory=lambda: _SECTIONS["optimizer"]())
+    model: Model = field(default_factory=lambda: section_class("model")())
+    optimizer: Optimizer = field(default_factory=lambda: section_class("optimizer")())
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     data: Data = field(default_factory=Data)

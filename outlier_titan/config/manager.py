@@ -17,6 +17,7 @@ from typing import Any
 
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.errors import ConfigError
+from outlier_titan.plugins import load_plugins
 from outlier_titan.options import owned_by
 from outlier_titan.packaged import resolve_config
 
@@ -150,15 +151,39 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str]) -> JobConfig:
-    """Builds a validated JobConfig from ``--config FILE`` and ``--section.key value`` arguments."""
+    """Builds a validated JobConfig from ``--config FILE`` and ``--section.key value`` arguments, after importing
+    the ``job.plugins`` they name (so the plug-ins' options and choices exist)."""
+    config_file, overrides, wants_help = _split_argv(argv)
+    tables = load_toml(config_file) if config_file is not None else {}
+    for sec_name, table in tables.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{config_file}: top-level key '{sec_name}' must be a [section] table")
+    plugins = _plugin_paths(tables.get("job", {}).get("plugins", []), config_file, overrides)
+    load_plugins(plugins)
+    if wants_help:
+        print(help_text())
+        raise SystemExit(0)
     cfg = JobConfig()
-    config_file, overrides = None, []
+    for sec_name, table in tables.items():
+        for key, value in table.items():
+            _set(cfg, f"{sec_name}.{key}", value, from_cli=False)
+    for name, val in overrides:
+        _set(cfg, name, val, from_cli=True)
+    cfg.job.plugins = plugins
+    validate(cfg)
+    return cfg
+
+
+def _split_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, str]], bool]:
+    """(``--config`` file, ``(section.key, value)`` overrides in order, whether help was asked)."""
+    config_file, overrides, wants_help = None, [], False
     i = 0
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            print(help_text())
-            raise SystemExit(0)
+            wants_help = True
+            i += 1
+            continue
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument '{arg}' (options are --config FILE and --section.key value)")
         name, eq, val = arg[2:].partition("=")
@@ -177,16 +202,20 @@ def parse_args(argv: list[str]) -> JobConfig:
         else:
             overrides.append((name, val))
         i += 1
-    if config_file is not None:
-        for sec_name, table in load_toml(config_file).items():
-            if not isinstance(table, dict):
-                raise ConfigError(f"{config_file}: top-level key '{sec_name}' must be a [section] table")
-            for key, value in table.items():
-                _set(cfg, f"{sec_name}.{key}", value, from_cli=False)
-    for name, val in overrides:
-        _set(cfg, name, val, from_cli=True)
-    validate(cfg)
-    return cfg
+    return config_file, overrides, wants_help
+
+
+def _plugin_paths(from_toml: Any, config_file: str | None, overrides: list[tuple[str, str]]) -> list[str]:
+    """``job.plugins`` (the command line's, else the TOML file's) with ``.py`` paths made absolute: a TOML file's
+    relative to its folder, the command line's relative to the working directory, so a resume from elsewhere
+    imports the same files."""
+    cli = [v for k, v in overrides if k == "job.plugins"]
+    if cli:
+        entries, folder = _convert(cli[-1], "job.plugins", list, False, from_cli=True), Path.cwd()
+    else:
+        entries = _convert(from_toml, "job.plugins", list, False, from_cli=False)
+        folder = resolve_config(config_file).parent if config_file is not None else Path.cwd()
+    return [str((folder / e).resolve()) if e.endswith(".py") else e for e in entries]
 
 
 def validate(cfg: JobConfig) -> None:
@@ -274,7 +303,8 @@ def help_text() -> str:
             if f.metadata.get("names"):
                 extra += f" (named: {', '.join(f.metadata['names'])}; or a path)"
             lines.append(f"  --{sec_name}.{f.name:<24} default {default}{extra}")
-            lines.append(f"      {f.metadata.get('help', '')}")
+            text = f.metadata.get("help", "")
+            lines.append(f"      {text() if callable(text) else text}")
     return "\n".join(lines)
 
 

@@ -17,12 +17,15 @@ Any config option we cannot reproduce exactly is an :class:`~outlier_titan.hf.fo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from outlier_titan.config.job_config import Model
+from outlier_titan.config.job_config import section_class
 from outlier_titan.hf.folders import HFError, read_hf_config
+
+if TYPE_CHECKING:
+    from outlier_titan.config.job_config import Model
 
 
 # ---------------------------------------------------------------- adapters
@@ -313,4 +316,4 @@ def hf_model_config(path: str | Path) -> Model:
     config = read_hf_config(path)
     adapter = adapter_for_hf(config)
     options = adapter.options_from_hf(config)
-    return Model(name="pre_ln", flavor="debug_llama" if adapter.family == "llama" else "debug", **options)
+    return section_class("model")(name="pre_ln", flavor="debug_llama" if adapter.family == "llama" else "debug", **options)

@@ -16,6 +16,8 @@ Imports use a ``tokenizer.tiktoken`` or a tiktoken-readable ``tokenizer.model`` 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pathlib import Path
 
 import torch
@@ -23,7 +25,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from outlier_titan.checkpoint.manager import load_model_for_eval
-from outlier_titan.config.job_config import JobConfig, Model
+from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import parse_args
 from outlier_titan.data.tokenizer import build_tokenizer
 from outlier_titan.errors import UserError
@@ -34,6 +36,9 @@ from outlier_titan.hf.folders import (
 )
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import build_meta_model
+
+if TYPE_CHECKING:
+    from outlier_titan.config.job_config import Model
 
 
 def _build(model_cfg: Model, vocab: int, seq_len: int, device, dtype) -> tuple[nn.Module, object]:

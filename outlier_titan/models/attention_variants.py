@@ -3,7 +3,7 @@ output gate, sink share) and the ``model.attention_*`` options it owns (defaults
 
 ``model.attention``'s and ``model.attention_layers``' choices, the variants' options in ``[model]`` and ``--help``
 are derived from it, and an option of a variant that the run does not use is a one-line error naming its variant.
-This module imports no torch (the config imports it); the math is in :mod:`outlier_titan.models.attention`.
+This module imports no torch; the math is in :mod:`outlier_titan.models.attention`.
 """
 
 from __future__ import annotations
@@ -12,16 +12,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
+from outlier_titan.config.job_config import add_option_group
 from outlier_titan.errors import ConfigError
-from outlier_titan.options import OptionGroup, RegisteredChoices, opt
+from outlier_titan.options import ATTENTION_IMPLS, ATTENTION_NAMES, OptionGroup, opt
 
 KIND = "attention variant"
-ATTENTION_IMPLS = ("auto", "fused", "chunked", "explicit")
-"""How attention runs (``model.attention_impl``): auto = the fused kernels on a GPU, SDPA or the chunked path
-elsewhere; fused = SDPA or FlexAttention (no backward on the CPU); chunked = query blocks recomputed in the
-backward, any device; explicit = the [B, H, T, T] weights (the probe's reader and the tests' oracle)."""
-ATTENTION_NAMES = RegisteredChoices()
-"""The registered variant names: the choices of ``model.attention``."""
 
 
 class AttentionError(ConfigError):
@@ -56,7 +51,9 @@ def register_variant(variant: AttentionVariant) -> AttentionVariant:
     if variant.name in _VARIANTS:
         raise ValueError(f"attention variant {variant.name!r} is already registered")
     _VARIANTS[variant.name] = variant
-    ATTENTION_NAMES.add(variant.name)
+    ATTENTION_NAMES.add(variant.name, variant.help)
+    if variant.options is not None:
+        add_option_group(variant.group())
     return variant
 
 
@@ -139,10 +136,6 @@ for _v in (
                      options=ClippedSoftmaxOptions, validate=_check_clip),
 ):
     register_variant(_v)
-
-
-def attention_help() -> str:
-    return "Attention variant: " + ", ".join(f"{v.name} ({v.help})" for v in _VARIANTS.values()) + "."
 
 
 @dataclass

@@ -15,13 +15,16 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.nn as nn
 
-from outlier_titan.config.job_config import Model as ModelConfig
+from outlier_titan.config.job_config import section_class
 from outlier_titan.config.manager import ConfigError
 from outlier_titan.models.attention_variants import check_options_used
+
+if TYPE_CHECKING:
+    from outlier_titan.config.job_config import Model as ModelConfig
 
 
 @dataclass
@@ -122,7 +125,7 @@ def _specs_with_option(name: str) -> list[str]:
 
 
 def _model_keys() -> set[str]:
-    return {f.name for f in dataclasses.fields(ModelConfig)} - {"name", "flavor"}
+    return {f.name for f in dataclasses.fields(section_class("model"))} - {"name", "flavor"}
 
 
 def pad_vocab(n: int, multiple: int = 64) -> int:

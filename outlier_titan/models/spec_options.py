@@ -3,17 +3,18 @@
 Each spec's args dataclass (``PreLNArgs`` in ``models/pre_ln.py``, ``OPArgs``, ``ANGPTArgs``, ``NGPTArgs``) inherits
 its group below, so the defaults live here only; the config composes the groups into ``[model]`` (each field's
 metadata naming its spec), ``--help`` lists them under their spec, and ``models/registry.py`` rejects an option of
-another spec in one line naming the spec(s) that have it. This module imports no torch: the config imports it.
+another spec in one line naming the spec(s) that have it. This module imports no torch.
 Options every spec reads (``dim``, ``n_layers``, ...) stay in the config's common ``[model]`` fields.
 
-A spec outside the package registers its group with :func:`register_spec_options` before the config module is
-imported (the ``[model]`` section is composed once, at that import).
+A spec outside the package registers its group with :func:`register_spec_options`; configs made afterwards have
+its options.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from outlier_titan.config.job_config import add_option_group
 from outlier_titan.options import OptionGroup, opt
 
 KIND = "model spec"
@@ -25,6 +26,7 @@ def register_spec_options(spec: str, cls: type) -> type:
     if spec in _GROUPS:
         raise ValueError(f"model spec {spec!r} already has registered options")
     _GROUPS[spec] = OptionGroup("model", KIND, spec, cls)
+    add_option_group(_GROUPS[spec])
     return cls
 
 

@@ -7,20 +7,24 @@ world size. Each group carries ``names`` (the parameters' FQNs), which FQN-seede
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 
-from outlier_titan.config.job_config import Optimizer as OptimizerConfig
 from outlier_titan.models.roles import roles_of
 from outlier_titan.optim.muon import build_muon, plan_muon_state
 from outlier_titan.optim.muon_settings import MuonOptions
 from outlier_titan.optim.params import trainable_params
 from outlier_titan.optim.registry import OptimizerSpec, get_optimizer, optimizer_names, register_optimizer
-from outlier_titan.optim.tile_optimizers import TILE_LAYOUT_KEYS, build_orthoadam, build_soap
+from outlier_titan.optim.tile_optimizers import TILE_LAYOUT_KEYS, build_orthoadam, build_soap, check_tile_plans
 from outlier_titan.optim.tiles import settings as tile_settings
 
-__all__ = ["build_optimizer", "build_param_groups", "checked_optimizer", "get_optimizer", "optimizer_names",
-           "register_optimizer"]
+if TYPE_CHECKING:
+    from outlier_titan.config.job_config import Optimizer as OptimizerConfig
+
+__all__ = ["after_build", "build_optimizer", "build_param_groups", "check_optimizer_layout", "checked_optimizer",
+           "config_owned_hyperparameters", "get_optimizer", "optimizer_names", "register_optimizer"]
 
 
 def build_param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
@@ -79,18 +83,37 @@ def _with_model_roles(build):
     return factory
 
 
+def _check_tiles(model: nn.Module, cfg: OptimizerConfig) -> None:
+    """The tile engine's per-parameter checks (tiles vs shards, the basis' power-of-two rule) on the sharded meta
+    model: they fail in seconds instead of after materialising it."""
+    check_tile_plans(build_param_groups(model, cfg), cfg, roles_of(model))
+
+
+def _compile_tile_math(optimizer, cfg: OptimizerConfig, compile: bool) -> None:
+    if compile:
+        optimizer.compile_math()
+
+
+def _describe_split(optimizer, cfg: OptimizerConfig, compile: bool) -> str:
+    return optimizer.describe()
+
+
 # The built-ins, registered in one place. State bytes are fp32 values per parameter element.
 register_optimizer("adamw", _adamw, state_bytes=8)
 register_optimizer("adam", _adam, state_bytes=8)
 register_optimizer("sgd", _sgd, state_bytes=lambda cfg: 4.0 if cfg.momentum else 0.0)
 register_optimizer("rmsprop", _rmsprop, state_bytes=4)
 register_optimizer("orthoadam", _with_model_roles(build_orthoadam), takes_model=True, state_bytes=8,
-                   layout_keys=(*TILE_LAYOUT_KEYS, "basis"), options=tile_settings.OrthoAdamOptions)
+                   layout_keys=(*TILE_LAYOUT_KEYS, "basis"), options=tile_settings.OrthoAdamOptions,
+                   check_layout=_check_tiles, after_build=_compile_tile_math)
 register_optimizer("soap", _with_model_roles(build_soap), takes_model=True, state_bytes=_soap_state_bytes,
-                   layout_keys=(*TILE_LAYOUT_KEYS, "soap_factor_dtype"), options=tile_settings.SOAPOptions)
+                   layout_keys=(*TILE_LAYOUT_KEYS, "soap_factor_dtype"), options=tile_settings.SOAPOptions,
+                   check_layout=_check_tiles, after_build=_compile_tile_math)
 # Muon's state is a momentum buffer beside each shard whatever muon_layout, so no muon_* key changes its layout; the
 # Muon / AdamW split follows the model and no_decay (common to every optimizer).
-register_optimizer("muon", build_muon, takes_model=True, plan_state=plan_muon_state, options=MuonOptions)
+register_optimizer("muon", build_muon, takes_model=True, plan_state=plan_muon_state, options=MuonOptions,
+                   hyperparameters=("nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn"),
+                   after_build=_describe_split)
 
 
 def checked_optimizer(cfg: OptimizerConfig) -> OptimizerSpec:
@@ -99,6 +122,24 @@ def checked_optimizer(cfg: OptimizerConfig) -> OptimizerSpec:
     if spec.validate is not None:
         spec.validate(cfg)
     return spec
+
+
+def check_optimizer_layout(model: nn.Module, cfg: OptimizerConfig) -> None:
+    """The configured optimizer's pre-flight check on the (sharded, meta) model, if it has one."""
+    spec = checked_optimizer(cfg)
+    if spec.check_layout is not None:
+        spec.check_layout(model, cfg)
+
+
+def after_build(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, compile: bool) -> str | None:
+    """The configured optimizer's post-build hook (compiling, a line describing it for the log), if any."""
+    spec = get_optimizer(cfg.name)
+    return spec.after_build(optimizer, cfg, compile) if spec.after_build is not None else None
+
+
+def config_owned_hyperparameters(cfg: OptimizerConfig) -> tuple[str, ...]:
+    """The param-group keys a resume takes from this run's config rather than the checkpoint."""
+    return get_optimizer(cfg.name).config_owned()
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, seed: int) -> torch.optim.Optimizer:

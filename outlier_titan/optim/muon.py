@@ -161,13 +161,13 @@ def muon_param_groups(model: nn.Module, cfg) -> list[dict]:
 
 
 def plan_muon_state(model: nn.Module, cfg) -> tuple[str, float]:
-    """The dry run's Muon entry: the split line, and this rank's state bytes: an fp32 momentum buffer per Muon
+    """The dry run's Muon entry: the split line (with the layout), and this rank's state bytes: an fp32 momentum buffer per Muon
     element, AdamW's two fp32 moments per other element (the ``full`` layout's transient owner buffers are not
     counted)."""
     groups = muon_param_groups(model, cfg)
     per = {"muon": 4, "adamw": 8}
     total = sum(per[g["algorithm"]] * _local(p).numel() for g in groups for p in g["params"])
-    return split_summary(groups), float(total)
+    return f"{split_summary(groups)} | muon_layout {cfg.muon_layout}", float(total)
 
 
 def _coefficients(values) -> tuple[float, ...]:

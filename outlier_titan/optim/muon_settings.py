@@ -1,13 +1,14 @@
 """Muon's ``[optimizer]`` options, declared once (defaults, help, choices); the config composes them into
 ``[optimizer]`` under the owner ``muon`` and ``optim/builder.py`` registers Muon with them. ``optimizer.lr`` /
 ``weight_decay`` are Muon's; the embeddings, the output head and 1-D parameters go to AdamW with the ``muon_adamw_*``
-settings (docs/muon.md). This module imports nothing heavy: the config imports it.
+settings (docs/muon.md). This module imports nothing heavy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from outlier_titan.config.job_config import add_option_group
 from outlier_titan.options import OptionGroup, opt
 
 
@@ -39,3 +40,7 @@ class MuonOptions:
 
 def option_groups() -> list[OptionGroup]:
     return [OptionGroup("optimizer", "optimizer", "muon", MuonOptions)]
+
+
+for _group in option_groups():
+    add_option_group(_group)

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from outlier_titan.config.job_config import Optimizer as OptimizerConfig
 from outlier_titan.errors import UserError
 from outlier_titan.models.roles import ParamRoles
 from outlier_titan.optim.orthoadam import OrthoAdam
@@ -27,6 +26,9 @@ from outlier_titan.optim.tiles.base import TileAdamBase
 from outlier_titan.optim.tiles.options import EngineOptions
 from outlier_titan.optim.tiles.plan import ParamPlan
 from outlier_titan.optim.tiles.settings import TileOptions
+
+if TYPE_CHECKING:
+    from outlier_titan.config.job_config import Optimizer as OptimizerConfig
 
 TILE_OPTIMIZERS: dict[str, type[TileAdamBase]] = {"orthoadam": OrthoAdam, "soap": SOAP}
 

@@ -1,13 +1,14 @@
 """The ``[optimizer]`` options of the tile optimizers, declared once (defaults, help, choices): the tile engine's,
 shared by OrthoAdam and SOAP (``optim/tiles/``), then each optimizer's own. The config composes them into
 ``[optimizer]`` (each field's metadata naming its owner(s)); ``optim/builder.py`` registers the optimizers with
-them. This module imports nothing heavy: the config imports it.
+them. This module imports nothing heavy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from outlier_titan.config.job_config import add_option_group
 from outlier_titan.options import OptionGroup, opt
 
 BASES = ("haar", "hadamard", "haar_kron", "identity")
@@ -66,3 +67,7 @@ def option_groups() -> list[OptionGroup]:
             OptionGroup("optimizer", "optimizer", "soap", TileOptions),
             OptionGroup("optimizer", "optimizer", "orthoadam", OrthoAdamOptions),
             OptionGroup("optimizer", "optimizer", "soap", SOAPOptions)]
+
+
+for _group in option_groups():
+    add_option_group(_group)

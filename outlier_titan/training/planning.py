@@ -39,7 +39,7 @@ class Plan:
     gather_bytes: float
     tokenizer: str = ""
     vocab_size: int = 0
-    optimizer_split: str = ""  # muon: which parameters go to Muon and which to AdamW
+    optimizer_split: str = ""  # an optimizer that plans its own state: its summary line (Muon: its split)
 
     @property
     def total_bytes(self) -> float:
@@ -136,7 +136,7 @@ def dry_run(cfg: JobConfig) -> Plan:
     print(f"  FLOPs per token   {pl.flops_per_token:.4g} (6N + causal attention, seq_len {cfg.training.seq_len})")
     print(f"  per-rank params   {pl.local_params:,}")
     if pl.optimizer_split:
-        print(f"  {pl.optimizer_split} | muon_layout {cfg.optimizer.muon_layout}")
+        print(f"  {pl.optimizer_split}")
     rows = [("parameters (fp32)", pl.param_bytes), ("gradients (fp32)", pl.grad_bytes),
             (f"optimizer state ({cfg.optimizer.name})", pl.optimizer_bytes),
             (f"activations (estimate, AC {cfg.activation_checkpoint.mode})", pl.activation_bytes),
