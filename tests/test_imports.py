@@ -99,3 +99,73 @@ def test_a_function_level_cycle_is_found(tmp_path):
     graph = import_graph(tmp_path, "toy")
     assert graph["toy.sub"] == {"toy.sub.b"} and graph["toy.c"] == {"toy.a"}
     assert cycles(graph) == [["toy.a", "toy.sub.b"]]
+
+
+LAYERS = (
+    ("errors", "exit_codes", "options", "plugins", "tensors", "linalg", "packaged", "provenance", "preempt", "cli"),
+    ("config",),
+    ("data",),
+    ("models",),
+    ("optim", "parallel"),
+    ("observe",),
+    ("quant",),
+    ("checkpoint",),
+    ("eval",),
+    ("hf",),
+    ("components",),
+    ("training",),
+    ("trainer",),
+    ("study",),
+    ("tools",),
+    ("train", "launch", "progress"),
+)
+"""The package's layers, lowest first: a module imports (at the top of its file or inside a function) only from its
+own top-level part (module or sub-package) and from lower layers; the parts of one layer (``optim`` and
+``parallel``; the basics) do not import each other. The basics at the bottom import nothing of the package but
+other basics; the entry points at the top may import anything."""
+
+
+def layer_violations(graph: dict[str, set[str]], layers=LAYERS, package: str = "outlier_titan") -> list[str]:
+    """``importer -> imported`` for every import that points up or sideways (the basics among themselves
+    excepted); a part no layer names is reported too."""
+    rank = {part: i for i, layer in enumerate(layers) for part in layer}
+
+    def part(module: str) -> str:
+        return module.split(".")[1] if module.count(".") else module
+
+    out = []
+    for mod, targets in sorted(graph.items()):
+        if mod == package:
+            continue
+        src = part(mod)
+        if src not in rank:
+            out.append(f"{mod}: part '{src}' is in no layer")
+            continue
+        for t in sorted(targets):
+            dst = part(t)
+            if dst == src or dst not in rank:
+                continue
+            if rank[dst] > rank[src] or (rank[dst] == rank[src] and rank[src] != 0):
+                out.append(f"{mod} -> {t}")
+    return out
+
+
+def test_imports_point_down_the_layers():
+    graph = import_graph(REPO, "outlier_titan")
+    bad = layer_violations(graph)
+    assert bad == [], "imports that point up or sideways:\n" + "\n".join(bad)
+
+
+def test_an_upward_or_sideways_import_is_found(tmp_path):
+    pkg = tmp_path / "toy"
+    for sub in ("low", "mid_a", "mid_b", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "x.py").write_text("def f():\n    from toy.high import y\n")  # up, inside a function
+    (pkg / "mid_a" / "x.py").write_text("from toy.mid_b import x\n")  # sideways
+    (pkg / "mid_b" / "x.py").write_text("from toy.low import x\n")  # down: fine
+    (pkg / "high" / "y.py").write_text("from toy.mid_a import x\n")  # down: fine
+    graph = import_graph(tmp_path, "toy")
+    layers = (("low",), ("mid_a", "mid_b"), ("high",))
+    assert layer_violations(graph, layers, "toy") == ["toy.low.x -> toy.high", "toy.mid_a.x -> toy.mid_b"]
