@@ -6,6 +6,7 @@ import argparse
 from typing import Callable
 
 from outlier_titan.errors import UserError, print_error
+from outlier_titan.plugins import PLUGINS_HELP
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -19,9 +20,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
-def parser(doc: str, **kwargs) -> argparse.ArgumentParser:
-    """An ``ArgumentParser`` with ``doc`` (a script's module docstring) as its full description."""
-    return argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter, **kwargs)
+def parser(doc: str, plugins: bool = False, **kwargs) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` with ``doc`` (a script's module docstring) as its full description; ``plugins``: it
+    lists ``--plugins``, which the tool took from its command line first (``plugins.take_plugins``)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter, **kwargs)
+    if plugins:
+        p.add_argument("--plugins", metavar="A,B", help=PLUGINS_HELP)
+    return p
 
 
 def report_user_errors(fn: Callable[..., int], *args) -> int:

@@ -48,3 +48,28 @@ def load_plugins(specs) -> list:
     if isinstance(specs, str):
         specs = [s for s in specs.split(",") if s.strip()]
     return [load_plugin(s) for s in specs or ()]
+
+
+PLUGINS_HELP = ("your components (modules or .py files, comma list) to import first: registered metrics, PTQ "
+                "schemes, attention variants, ... (a run's own job.plugins are imported from its config)")
+
+
+def take_plugins(argv: list[str] | None) -> list[str]:
+    """A tool's command line without its ``--plugins A,B`` (imported here, before the tool's parser reads the
+    registries for its choices and help)."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--plugins" and i + 1 < len(argv):
+            load_plugins(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--plugins="):
+            load_plugins(arg.partition("=")[2])
+        else:
+            rest.append(arg)
+        i += 1
+    return rest

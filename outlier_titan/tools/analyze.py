@@ -31,6 +31,7 @@ from matplotlib.ticker import LogFormatter  # noqa: E402
 from outlier_titan import cli  # noqa: E402
 from outlier_titan.config.manager import tomllib  # noqa: E402
 from outlier_titan.observe.logger import read_metrics  # noqa: E402
+from outlier_titan.plugins import take_plugins
 from outlier_titan.study.groups import seed_band  # noqa: E402
 
 DEFAULT_METRICS = ("kurtosis_first", "kurtosis_rest", "kurtosis_neuron_rms", "max_abs_first", "max_abs_rest",
@@ -211,7 +212,8 @@ def summary(groups: dict[str, list[dict[int, dict]]], metrics: list[str]) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = cli.parser(__doc__)
+    argv = take_plugins(argv)
+    p = cli.parser(__doc__, plugins=True)
     p.add_argument("runs", nargs="+", type=Path, help="run folders (each with metrics.jsonl)")
     p.add_argument("--out", type=Path, required=True, help="PNG to write")
     p.add_argument("--metrics", default=",".join(DEFAULT_METRICS),

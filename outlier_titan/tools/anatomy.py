@@ -24,10 +24,12 @@ import torch
 
 from outlier_titan import cli
 from outlier_titan.errors import UserError
+from outlier_titan.plugins import take_plugins
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = cli.parser(__doc__)
+    argv = take_plugins(argv)
+    p = cli.parser(__doc__, plugins=True)
     p.add_argument("path", help="a run folder (every checkpoint it kept) or one <run>/checkpoints/step-<N>")
     p.add_argument("--steps", default=None, help="comma-separated checkpoint steps of the run (default: all)")
     p.add_argument("--tokens", type=int, default=16384, help="validation tokens analysed per checkpoint")

@@ -39,12 +39,14 @@ import torch
 
 from outlier_titan import cli
 from outlier_titan.errors import UserError
+from outlier_titan.plugins import take_plugins
 from outlier_titan.provenance import code_version, runtime_versions
 from outlier_titan.quant.ptq import SCHEMES, check_schemes, scheme_help
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = cli.parser(__doc__)
+    argv = take_plugins(argv)
+    p = cli.parser(__doc__, plugins=True)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="<run>/checkpoints/step-<N> (or a run folder: newest)")
     src.add_argument("--hf", help="a Hugging Face model folder (GPT-2 / Llama) or an export of outlier-titan-export")

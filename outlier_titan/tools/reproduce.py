@@ -33,12 +33,15 @@ from pathlib import Path
 from outlier_titan import cli
 from outlier_titan.errors import UserError
 from outlier_titan.packaged import child_environment
+from outlier_titan.plugins import PLUGINS_HELP, take_plugins
 from outlier_titan.study.reproduce import SCALES, SUITES
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
+    argv = take_plugins(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plugins", metavar="A,B", help=PLUGINS_HELP)
     p.add_argument("--suite", required=True, choices=SUITES)
     p.add_argument("--scale", required=True, choices=SCALES)
     p.add_argument("--out", default=None, help="report folder (default reports/<suite>-<scale>)")

@@ -20,10 +20,12 @@ from pathlib import Path
 
 from outlier_titan import cli
 from outlier_titan.errors import UserError
+from outlier_titan.plugins import take_plugins
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = cli.parser(__doc__)
+    argv = take_plugins(argv)
+    p = cli.parser(__doc__, plugins=True)
     sub = p.add_subparsers(dest="command", required=True)
     pl = sub.add_parser("plan", formatter_class=cli.HelpFormatter,
                         help="expand and validate a sweep file, write the sweep folder, print the table")
