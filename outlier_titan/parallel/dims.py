@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from outlier_titan.config.job_config import Parallelism
-from outlier_titan.config.manager import ConfigError
+from outlier_titan.errors import ConfigError
 
 
 @dataclass

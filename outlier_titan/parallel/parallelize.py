@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from outlier_titan.config.job_config import JobConfig
-from outlier_titan.config.manager import ConfigError
+from outlier_titan.errors import ConfigError
 from outlier_titan.parallel.dims import ParallelDims
 from outlier_titan.parallel.fsdp import apply_fsdp
 

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from outlier_titan.config.job_config import JobConfig
-from outlier_titan.config.manager import ConfigError
 from outlier_titan.data.sources import tokenizer_mismatch
 from outlier_titan.data.tokenizer import planning_vocab
+from outlier_titan.errors import ConfigError
 from outlier_titan.models.registry import count_params, flops_per_token, model_args
 from outlier_titan.optim.builder import checked_optimizer
 from outlier_titan.parallel.dims import ParallelDims
