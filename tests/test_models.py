@@ -8,9 +8,11 @@ import torch.nn as nn
 
 from outlier_titan.config.job_config import Model as ModelConfig
 from outlier_titan.config.manager import ConfigError, parse_args
-from outlier_titan.models import angpt, ngpt, op, pre_ln
+from outlier_titan.models import angpt, op
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import LayerNorm, RMSNorm, RotaryEmbedding
+from outlier_titan.models.ngpt import model as ngpt
+from outlier_titan.models.pre_ln import model as pre_ln
 from outlier_titan.models.registry import count_params, get_spec, model_args
 from tests.launch import REPO, train
 
