@@ -50,7 +50,6 @@ import torch.nn as nn
 
 from outlier_titan.models.embed_proj import fold_embed_proj
 from outlier_titan.models.layers import Attention, LayerNorm, RMSNorm
-from outlier_titan.models.spec import spec_of_model
 
 
 def _is_prime(n: int) -> bool:
@@ -186,6 +185,8 @@ class CenteredRMSNorm(nn.Module):
 
 def _residual_rotation_refusal(model: nn.Module) -> str | None:
     """Why the residual stream of ``model`` cannot be rotated exactly (None when it can): its spec's entry says."""
+    from outlier_titan.models.spec import spec_of_model
+
     spec = spec_of_model(model)
     if spec is None:
         return f"{type(model).__name__} is not the model of a registered model spec"
