@@ -92,7 +92,6 @@ class ModelSpec:
     rotation: str | Callable[[Any], str | None] | None = "its entry does not declare it rotatable"
     """QuaRot's residual rotation: None (exact for this spec), why not, or a function of the args giving either."""
     description: str = ""
-    train_defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.post_step, str):
