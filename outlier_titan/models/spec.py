@@ -29,6 +29,9 @@ PLACEMENTS = ("colwise", "rowwise", "sequence", "sequence_local", "replicated_on
 ParallelStyle)."""
 
 
+NOT_DECLARED = "the spec's entry does not declare its residual stream rotatable"
+
+
 @dataclass(frozen=True)
 class TPPlan:
     """A spec's tensor-parallel plan, as data.
@@ -89,7 +92,7 @@ class ModelSpec:
     """Run on the model after every optimizer step (or ``"module:function"``)."""
     hf_adapter: str | None = None
     """``"module:function"``: args -> (adapter, "") or (None, why not); None: no Hugging Face export."""
-    rotation: str | Callable[[Any], str | None] | None = "its entry does not declare it rotatable"
+    rotation: str | Callable[[Any], str | None] | None = NOT_DECLARED
     """QuaRot's residual rotation: None (exact for this spec), why not, or a function of the args giving either."""
     description: str = ""
 
