@@ -101,3 +101,8 @@ def test_the_toy_tp_plan_applies_and_matches_one_rank(tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert got["gain"] == "DTensor" and got["placements"] == "(Replicate(),)"
         torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_guide_shows_the_toy_spec_as_it_is():
+    guide = (Path(__file__).parents[1] / "docs" / "extending-spec.md").read_text()
+    assert Path(TOY).read_text() in guide
