@@ -7,9 +7,8 @@ then the attention variants'; the tile engine's, then OrthoAdam's and SOAP's, th
 
 from __future__ import annotations
 
-from outlier_titan.models import spec_options  # noqa: F401  (first: the specs' [model] options)
+from outlier_titan.models import pre_ln, op, ngpt, angpt  # noqa: F401  (first: the specs' [model] options)
 from outlier_titan.models import attention_variants  # noqa: F401
-from outlier_titan.models import registry as _model_specs  # noqa: F401
 from outlier_titan.optim.tiles import settings as _tile_settings  # noqa: F401  (before Muon's [optimizer] options)
 from outlier_titan.optim import muon_settings  # noqa: F401
 from outlier_titan.optim import builder as _optimizers  # noqa: F401

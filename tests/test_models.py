@@ -8,9 +8,11 @@ import torch.nn as nn
 
 from outlier_titan.config.job_config import Model as ModelConfig
 from outlier_titan.config.manager import ConfigError, parse_args
-from outlier_titan.models import angpt, ngpt, op, pre_ln
+from outlier_titan.models import angpt, op
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import LayerNorm, RMSNorm, RotaryEmbedding
+from outlier_titan.models.ngpt import model as ngpt
+from outlier_titan.models.pre_ln import model as pre_ln
 from outlier_titan.models.registry import count_params, get_spec, model_args
 from tests.launch import REPO, train
 
@@ -360,18 +362,16 @@ def test_an_option_of_another_spec_is_one_line_naming_its_spec():
 def test_spec_options_are_declared_once_by_their_spec_and_composed_into_model():
     from outlier_titan.config.job_config import Model as ModelConfig
     from outlier_titan.config.manager import help_text
-    from outlier_titan.models import spec_options
-    from outlier_titan.models.registry import get_spec
+    from outlier_titan.models.spec import all_specs
 
     fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    for group in spec_options.option_groups():
-        args = get_spec(group.owner).args_cls
-        assert issubclass(args, group.cls), group.owner  # the args take their defaults from the group
-        for f in dataclasses.fields(group.cls):
-            assert group.owner in fields[f.name].metadata["owner"].split(", ")
+    for spec in (s for s in all_specs() if s.options is not None):
+        assert issubclass(spec.args_cls, spec.options), spec.name  # the args take their defaults from the group
+        for f in dataclasses.fields(spec.options):
+            assert spec.name in fields[f.name].metadata["owner"].split(", ")
             assert getattr(ModelConfig(), f.name) is None  # None in the config: the spec's (or flavor's) value
-    assert fields["param_scale"].metadata["defaults"] == {"angpt": 0.01, "ngpt": None}
+    assert fields["param_scale"].metadata["defaults"] == {"ngpt": None, "angpt": 0.01}
     assert fields["dim"].metadata.get("owner") is None  # every spec reads it: a common option
     text = help_text()
     assert "  -- options of model spec 'op':\n  --model.block " in text
-    assert "--model.alpha_abs                default (angpt: False, ngpt: True)" in text
+    assert "--model.alpha_abs                default (ngpt: True, angpt: False)" in text

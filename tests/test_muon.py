@@ -9,7 +9,7 @@ import torch
 
 from outlier_titan.config.job_config import Optimizer as OptimizerConfig
 from outlier_titan.errors import UserError
-from outlier_titan.models.pre_ln import PreLNArgs, PreLNTransformer
+from outlier_titan.models.pre_ln.model import PreLNArgs, PreLNTransformer
 from outlier_titan.optim.builder import build_optimizer
 from outlier_titan.optim.muon import MuonAdamW, muon_param_groups, newton_schulz, split_summary
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import outlier_titan.components  # noqa: F401  (spawned ranks import this file without conftest)
 from outlier_titan.parallel.dims import free_port
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]

@@ -13,7 +13,7 @@ from outlier_titan.hf.export import export_model
 from outlier_titan.hf.load import load_pretrained
 from outlier_titan.models.embed_proj import fold_embed_proj, merge_embed_proj
 from outlier_titan.models.init import Initializer
-from outlier_titan.models.pre_ln import PreLNArgs, PreLNTransformer
+from outlier_titan.models.pre_ln.model import PreLNArgs, PreLNTransformer
 from tests.launch import TINY, train
 
 
@@ -65,10 +65,11 @@ def test_merge_and_fold_are_exact_in_float64(tie, head):
 
 
 def test_tensor_parallel_is_refused_with_a_config_error():
-    from outlier_titan.models.pre_ln import _tp_plan
+    from outlier_titan.models.spec import get_spec
+    from outlier_titan.parallel.tensor_parallel import apply_tp_plan
 
     with pytest.raises(ConfigError, match="model.embed_proj.*parallelism.tp = 1"):
-        _tp_plan(None, None, dataclasses.replace(PreLNArgs(), embed_proj=True))
+        apply_tp_plan(None, None, dataclasses.replace(PreLNArgs(), embed_proj=True), get_spec("pre_ln").tp_plan)
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from outlier_titan.models.init import Initializer
-from outlier_titan.models.pre_ln import PreLNArgs, PreLNTransformer
+from outlier_titan.models.pre_ln.model import PreLNArgs, PreLNTransformer
 from outlier_titan.observe.osp_kurtosis import osp_excess_kurtosis, osp_token_excess_kurtosis
 from outlier_titan.quant.ptq import linear_targets, quantized
 from outlier_titan.quant.rotation import rotate

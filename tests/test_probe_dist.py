@@ -11,11 +11,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import outlier_titan.components  # noqa: F401  (spawned ranks import this file without conftest)
 from outlier_titan.config.job_config import Model, Observe
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import model_args
 from outlier_titan.observe.probe import OutlierProbe
 from outlier_titan.parallel.dims import free_port
+from outlier_titan.parallel.tensor_parallel import apply_tp_plan
 
 SEED, VOCAB, SEQ, BATCH = 7, 4096, 32, 4
 FLAVORS = {"gpt2_s1": dict(flavor="debug", softmax="softmax1"), "llama": dict(flavor="debug_llama"),
@@ -56,7 +58,7 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
             for flavor in FLAVORS:
                 spec, args, model = build(flavor, "meta")
                 if tp > 1:
-                    spec.tp_plan(model, mesh["tp"], args)
+                    apply_tp_plan(model, mesh["tp"], args, spec.tp_plan)
                 apply_fsdp(model, dp_mesh, torch.float32, torch.float32)
                 model.to_empty(device="cpu")
                 model.init_weights(Initializer(SEED, "cpu"))

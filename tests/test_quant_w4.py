@@ -11,7 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from outlier_titan.models.init import Initializer
-from outlier_titan.models.pre_ln import GPT2, LLAMA, PreLNArgs, PreLNTransformer
+from outlier_titan.models.pre_ln import GPT2, LLAMA
+from outlier_titan.models.pre_ln.model import PreLNArgs, PreLNTransformer
 from outlier_titan.models.attention import VARIANTS
 from outlier_titan.quant import quantizers as qz
 from outlier_titan.quant.gptq import channel_scales, gptq_quantize, rtn_grid_quantize
@@ -174,7 +175,7 @@ def test_rotation_is_exact_for_every_attention_variant_and_the_osp_projections(a
 
 
 def _op_model(seed: int = 0, std: float = 0.02, **kw):
-    from outlier_titan.models.op import OPArgs, OPTransformer
+    from outlier_titan.models.op.model import OPArgs, OPTransformer
 
     a = OPArgs(**dict(dict(dim=48, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32, init_std=std), **kw))
     a.validate()

@@ -11,10 +11,10 @@ from pathlib import Path
 from outlier_titan.config.manager import to_toml
 from outlier_titan.data.tokenizer import EMBEDDED_BPE
 from outlier_titan.errors import UserError
-from outlier_titan.hf.adapters import adapter_for_args
 from outlier_titan.hf.folders import TOKENIZER_FILE, HFError, write_export_folder, write_hf_folder
 from outlier_titan.hf.load import load_pretrained
 from outlier_titan.models.embed_proj import merge_embed_proj
+from outlier_titan.models.spec import get_spec, resolve
 
 FORMATS = ("auto", "hf", "safetensors")
 
@@ -53,7 +53,8 @@ def export_model(source: str | Path, out: str | Path, fmt: str = "auto",
     state, args = merge_embed_proj({k: v.detach() for k, v in model.state_dict().items()}, model.args)
     if args is not model.args:  # the projection is folded into the embedding: export the plain architecture
         cfg.model.embed_proj, cfg.model.tie_embeddings = False, args.tie_embeddings
-    adapter, why = adapter_for_args(args) if cfg.model.name == "pre_ln" else (None, f"model.name = {cfg.model.name!r}")
+    hf_adapter = get_spec(cfg.model.name).hf_adapter
+    adapter, why = resolve(hf_adapter)(args) if hf_adapter else (None, f"model.name = {cfg.model.name!r}")
     if fmt == "hf" and adapter is None:
         raise HFError(f"cannot export to HF: {why}; use --format safetensors (weights + config.toml)")
     fmt = "hf" if fmt == "auto" and adapter is not None else ("safetensors" if fmt == "auto" else fmt)

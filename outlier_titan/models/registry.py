@@ -1,67 +1,25 @@
-"""Model-spec registry: a spec name maps to its args dataclass, flavors, builder, TP plan and post-step hook.
+"""Building a model from the config: the spec's args from its flavor and the ``model.*`` overrides, the model on the
+meta device, and parameter / FLOP counts. The spec entries themselves are in :mod:`outlier_titan.models.spec`.
 
 Every model built from a spec exposes ``tok_embeddings``, ``layers`` (an ``nn.ModuleDict`` of blocks, each
 mapping the residual stream to the residual stream), ``norm`` (final norm or ``nn.Identity``), ``output``
 (the LM head, or None when tied), ``init_weights(initializer)`` and ``forward(tokens) -> logits``.
-
-A spec provides its parameters' roles: the model class declares ``param_roles`` (an
-``outlier_titan.models.roles.ParamRoles``: the vocabulary-axis and embedding-like parameters, the per-head
-attention inputs, the residual writers), which FSDP placement, the tile engine and the optimizer builders read
-through ``roles_of(model)``; the built-in specs declare ``DEFAULT_ROLES``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
 from outlier_titan.config.job_config import section_class
 from outlier_titan.config.manager import ConfigError
 from outlier_titan.models.attention_variants import check_options_used
+from outlier_titan.models.spec import ModelSpec, all_specs, get_spec
 
 if TYPE_CHECKING:
     from outlier_titan.config.job_config import Model as ModelConfig
-
-
-@dataclass
-class ModelSpec:
-    name: str
-    args_cls: type
-    flavors: dict[str, dict[str, Any]]
-    build: Callable[[Any], nn.Module]
-    tp_plan: Callable[[nn.Module, Any, Any], None] | None = None
-    post_step: Callable[[nn.Module], None] | None = None
-    description: str = ""
-    train_defaults: dict[str, Any] = field(default_factory=dict)
-
-
-_SPECS: dict[str, ModelSpec] = {}
-_BUILTIN = ("pre_ln", "op", "angpt", "ngpt")
-
-
-def register_spec(spec: ModelSpec) -> None:
-    _SPECS[spec.name] = spec
-
-
-def get_spec(name: str) -> ModelSpec:
-    if name not in _SPECS and name in _BUILTIN:
-        try:
-            importlib.import_module(f"outlier_titan.models.{name}")
-        except ModuleNotFoundError:
-            pass
-    if name not in _SPECS:
-        available = sorted(set(_SPECS) | {n for n in _BUILTIN if _spec_module_exists(n)})
-        raise ConfigError(f"model.name = {name!r} is not a model spec; available: {', '.join(available)}")
-    return _SPECS[name]
-
-
-def _spec_module_exists(name: str) -> bool:
-    return importlib.util.find_spec(f"outlier_titan.models.{name}") is not None
-
 
 def model_args(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[ModelSpec, Any]:
     """The spec and its args: flavor values, then every non-None ``model.*`` override the spec supports."""
@@ -112,16 +70,8 @@ def build_meta_model(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> t
 
 
 def _specs_with_option(name: str) -> list[str]:
-    """The built-in and registered specs whose args have the option ``name``."""
-    owners = []
-    for spec_name in sorted(set(_SPECS) | set(_BUILTIN)):
-        try:
-            spec = get_spec(spec_name)
-        except ConfigError:
-            continue
-        if name in {f.name for f in dataclasses.fields(spec.args_cls)}:
-            owners.append(spec_name)
-    return owners
+    """The specs whose args have the option ``name``."""
+    return sorted(s.name for s in all_specs() if name in {f.name for f in dataclasses.fields(s.args_cls)})
 
 
 def _model_keys() -> set[str]:

@@ -12,6 +12,7 @@ from outlier_titan.config.job_config import JobConfig
 from outlier_titan.errors import ConfigError
 from outlier_titan.parallel.dims import ParallelDims
 from outlier_titan.parallel.fsdp import apply_fsdp
+from outlier_titan.parallel.tensor_parallel import apply_tp_plan
 
 # Ops whose outputs op-level selective AC keeps (everything else is recomputed in backward): the linear layers and
 # the fused attention kernels. Not bmm: the chunked attention's [T_q, T] logits would pile up to T x T.
@@ -55,7 +56,7 @@ def parallelize(model: nn.Module, spec, args, cfg: JobConfig, dims: ParallelDims
     if dims.tp_enabled:
         if spec.tp_plan is None:
             raise ConfigError(f"parallelism.tp = {dims.tp} but model spec '{spec.name}' has no TP plan")
-        spec.tp_plan(model, mesh["tp"], args)
+        apply_tp_plan(model, mesh["tp"], args, spec.tp_plan)
     apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_every)
     if cfg.compile.enable:
         apply_compile(model)

@@ -12,7 +12,10 @@ Residual stream between blocks: local tensors sharded on the sequence dim (Shard
 With learned positions the embedding output is kept Replicate (positions are added to the full sequence) and
 block 0 takes its sequence shard locally (no communication).
 
-Pieces for specs with extra parameters beside the linears (op, angpt, ngpt):
+A spec gives its plan as data (``outlier_titan.models.spec.TPPlan``): :func:`apply_tp_plan` applies the plan
+above, then the spec's extra entries, each a module FQN pattern and a placement name (:data:`PLACEMENTS`), for
+specs with extra parameters beside the linears (op, angpt, ngpt):
+  sequence_local                 SequenceParallel with local outputs (norms outside the standard positions)
   ReplicatedParamsOnShards(dim)  gains / LERP steps / residual scales applied to sequence-sharded (dim 1) or
                                  head-sharded activations: params Replicate, inputs viewed as Shard(dim),
                                  outputs local; their gradients are all-reduced by DTensor
@@ -21,6 +24,8 @@ Pieces for specs with extra parameters beside the linears (op, angpt, ngpt):
 """
 
 from __future__ import annotations
+
+from fnmatch import fnmatchcase
 
 import torch
 import torch.nn as nn
@@ -36,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from outlier_titan.config.manager import ConfigError
+from outlier_titan.models.spec import TPPlan
 
 
 def check_divisible(tp: int, **sizes: int) -> None:
@@ -120,6 +126,23 @@ def apply_standard_tp(model: nn.Module, tp_mesh: DeviceMesh, args, *, block_norm
         model.register_forward_hook(_gather_output)
 
 
+def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, args, plan: TPPlan) -> None:
+    """A spec's plan: the standard one (:func:`apply_standard_tp`), then each of its extra entries on the modules
+    whose FQN matches the entry's pattern."""
+    why = plan.unsupported(args) if plan.unsupported is not None else None
+    if why:
+        raise ConfigError(why)
+    apply_standard_tp(model, tp_mesh, args, block_norms=plan.block_norms, loss_parallel=plan.loss_parallel)
+    modules = list(model.named_modules())
+    for pattern, placement in plan.extra.items():
+        for fqn, module in modules:
+            if not fnmatchcase(fqn, pattern):
+                continue
+            if placement in _PARAM_PLACEMENTS and next(module.parameters(recurse=False), None) is None:
+                continue
+            parallelize_module(module, tp_mesh, PLACEMENTS[placement]())
+
+
 class ReplicatedParamsOnShards(ParallelStyle):
     """For a small module whose parameters (gains, LERP steps, residual scales) act on TP-local activations
     that are sharded on ``shard_dim`` (the sequence dim of the residual stream, or the head dim of q/k):
@@ -166,3 +189,13 @@ class ShardedParams(ParallelStyle):
         return module
 
 
+PLACEMENTS = {
+    "colwise": ColwiseParallel,
+    "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),
+    "sequence": SequenceParallel,
+    "sequence_local": lambda: SequenceParallel(use_local_output=True),
+    "replicated_on_shards": lambda: ReplicatedParamsOnShards(1),
+    "sharded_params": ShardedParams,
+}
+"""A plan's placement names (``outlier_titan.models.spec.PLACEMENTS``) -> the ParallelStyle each stands for."""
+_PARAM_PLACEMENTS = ("replicated_on_shards", "sharded_params")

@@ -148,19 +148,13 @@ class CenteredRMSNorm(nn.Module):
 
 
 def _residual_rotation_refusal(model: nn.Module) -> str | None:
-    """Why the residual stream of ``model`` cannot be rotated exactly (None when it can)."""
-    from outlier_titan.models.op import OPTransformer
-    from outlier_titan.models.pre_ln import PreLNTransformer
+    """Why the residual stream of ``model`` cannot be rotated exactly (None when it can): its spec's entry says."""
+    from outlier_titan.models.spec import spec_of_model
 
-    if isinstance(model, PreLNTransformer):
-        return None
-    if isinstance(model, OPTransformer):
-        if model.args.block == "post_ln":
-            return ("the post_ln block normalises the residual stream itself (a per-channel gain on the stream, "
-                    "which does not commute with a rotation)")
-        return None
-    return (f"{type(model).__name__} is not rotated (nGPT / anGPT interpolate the normalised stream with "
-            f"per-channel rates, which do not commute with a rotation)")
+    spec = spec_of_model(model)
+    if spec is None:
+        return f"{type(model).__name__} is not the model of a registered model spec"
+    return spec.rotation_refusal(model.args)
 
 
 @torch.no_grad()

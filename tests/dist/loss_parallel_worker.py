@@ -10,18 +10,20 @@ from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import outlier_titan.components  # noqa: E402,F401  (a worker process: no conftest)
 from outlier_titan.config.job_config import Model  # noqa: E402
 from outlier_titan.models.init import Initializer  # noqa: E402
 from outlier_titan.models.registry import build_meta_model  # noqa: E402
 from outlier_titan.parallel.dims import ParallelDims  # noqa: E402
 from outlier_titan.parallel.fsdp import apply_fsdp  # noqa: E402
+from outlier_titan.parallel.tensor_parallel import apply_tp_plan  # noqa: E402
 from outlier_titan.trainer import cross_entropy_sum, loss_context, replicated_value  # noqa: E402
 
 dist.init_process_group("gloo")
 dims = ParallelDims(1, 1, 2, 2)
 mesh = dims.build_mesh("cpu")
 spec, args, model = build_meta_model(Model(name="pre_ln", flavor="debug_llama"), 4096, 32)
-spec.tp_plan(model, mesh["tp"], args)
+apply_tp_plan(model, mesh["tp"], args, spec.tp_plan)
 apply_fsdp(model, mesh["dp_shard"], torch.float32, torch.float32)
 model.to_empty(device="cpu")
 model.init_weights(Initializer(0, "cpu"))

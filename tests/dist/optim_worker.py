@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import outlier_titan.components  # noqa: E402,F401  (a worker process: no conftest)
 from outlier_titan.optim.orthoadam import OrthoAdam  # noqa: E402
 from outlier_titan.optim.soap import SOAP  # noqa: E402
 from outlier_titan.optim.tiles.options import EngineOptions  # noqa: E402

@@ -61,18 +61,16 @@ from outlier_titan.models.attention import (GATED, AttentionArgs, block_options,
                                             validate_attention_args)
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import MLP, Attention, LayerNorm, RotaryEmbedding, build_norm, init_norms
-from outlier_titan.models.pre_ln import build_rope, rope_dims
-from outlier_titan.models.registry import ModelSpec, register_spec
+from outlier_titan.models.op import OP_BLOCKS, OPOptions
+from outlier_titan.models.pre_ln.model import build_rope, rope_dims
 from outlier_titan.models.roles import DEFAULT_ROLES
-from outlier_titan.models.spec_options import OP_BLOCKS, OPOptions
 
-BLOCKS = OP_BLOCKS
 _BLOCK_NORM = {"pre_ln": "layernorm", "pre_rms": "rmsnorm", "pre_srms": "rmsnorm_nogain", "post_ln": "layernorm"}
 
 
 @dataclass
 class OPArgs(AttentionArgs, OPOptions):
-    """The op spec's args: its own options (``block``, ``residual_scale``, ...: ``models/spec_options.py``), the
+    """The op spec's args: its own options (``block``, ``residual_scale``, ...: ``models/op/__init__.py``), the
     attention options, and the architecture below."""
 
     dim: int = 128
@@ -103,8 +101,8 @@ class OPArgs(AttentionArgs, OPOptions):
         resolve_variant(self)
 
     def validate(self) -> None:
-        if self.block not in BLOCKS:
-            raise ConfigError(f"model.block = {self.block!r}: choose one of {', '.join(BLOCKS)}")
+        if self.block not in OP_BLOCKS:
+            raise ConfigError(f"model.block = {self.block!r}: choose one of {', '.join(OP_BLOCKS)}")
         if self.dim % self.n_heads:
             raise ConfigError(f"model: dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -272,51 +270,3 @@ class OPTransformer(nn.Module):
                     m.init_weights(init)
         init.linear(self.output, std)
         init_norms(self)
-
-
-def _tp_plan(model: OPTransformer, tp_mesh, args: OPArgs) -> None:
-    """Megatron TP + sequence parallel: the standard plan without its norm entries, then the blocks' norms
-    (pre- or post-position) as SequenceParallel with local outputs, and the trainable scales replicated over
-    the sequence shards."""
-    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
-
-    from outlier_titan.parallel.tensor_parallel import ReplicatedParamsOnShards, apply_standard_tp
-
-    apply_standard_tp(model, tp_mesh, args, block_norms=False)
-    for block in model.layers.values():
-        plan = {}
-        for name in ("attention_norm", "ffn_norm"):
-            if getattr(block, name) is not None:
-                plan[name] = SequenceParallel(use_local_output=True)
-        for name in ("attn_scale", "mlp_scale", "mlp_input_scale"):
-            m = getattr(block, name)
-            if m is not None and m.weight is not None:
-                plan[name] = ReplicatedParamsOnShards(1)
-        if plan:
-            parallelize_module(block, tp_mesh, plan)
-
-
-_LANGUINI = dict(pos_encoding="rope", mlp="gelu", mlp_alpha="analytic", tie_embeddings=True,
-                 residual_scale_mode="scalar")
-_FINEWEB = dict(pos_encoding="rope", mlp="gelu", mlp_alpha="analytic", residual_scale_mode="vector")
-
-FLAVORS = {
-    "debug": dict(dim=128, n_layers=4, n_heads=4),
-    "codeparrot_130m": dict(dim=768, n_layers=6, n_heads=12),
-    "languini_100m": dict(_LANGUINI, dim=768, n_layers=12, n_heads=12, residual_scale=0.2),
-    "languini_320m": dict(_LANGUINI, dim=1024, n_layers=24, n_heads=16, residual_scale=0.15),
-    "languini_1.2b": dict(_LANGUINI, dim=2048, n_layers=24, n_heads=32, residual_scale=0.15),
-    "fineweb_1.2b": dict(_FINEWEB, dim=2048, n_layers=24, n_heads=16, residual_scale=0.1),
-    "fineweb_7b": dict(_FINEWEB, dim=4096, n_layers=32, n_heads=32, residual_scale=0.05),
-    "opt_125m": dict(dim=768, n_layers=12, n_heads=12, bias=True, tie_embeddings=True, residual_scale_mode="scalar",
-                     residual_scale=0.2),
-}
-
-register_spec(ModelSpec(
-    name="op",
-    args_cls=OPArgs,
-    flavors=FLAVORS,
-    build=OPTransformer,
-    tp_plan=_tp_plan,
-    description="Outlier Protected block (no norms, QK-norm, scaled residuals) and the Pre-/Post-Norm baselines",
-))

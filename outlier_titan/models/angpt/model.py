@@ -55,9 +55,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from outlier_titan.config.manager import ConfigError
+from outlier_titan.models.angpt import ANGPTOptions
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import Attention, RotaryEmbedding, attention, init_norms
-from outlier_titan.models.ngpt import (
+from outlier_titan.models.ngpt.model import (
     NGPT,
     HeadScale,
     Lerp,
@@ -66,20 +67,17 @@ from outlier_titan.models.ngpt import (
     init_unit,
     l2norm,
     normalized_matrices,
-    normalized_tp_plan,
     project_,
     validate_normalized_args,
 )
-from outlier_titan.models.registry import ModelSpec, register_spec
 from outlier_titan.models.roles import DEFAULT_ROLES
-from outlier_titan.models.spec_options import ANGPTOptions
 
 NU_ACF = 3.74  # SiLU-GLU activation factor, the paper's Monte-Carlo value
 
 
 @dataclass
 class ANGPTArgs(ANGPTOptions):
-    """The angpt spec's args: its own options (``lerp_form``, ``alpha_init``, ...: ``models/spec_options.py``) and the
+    """The angpt spec's args: its own options (``lerp_form``, ``alpha_init``, ...: ``models/angpt/__init__.py``) and the
     architecture below."""
 
     dim: int = 128
@@ -173,21 +171,3 @@ def angpt_post_step(model: nn.Module) -> None:
     """Projects every matrix's input-dim vectors into the unit ball (cross-shard norms where sharded)."""
     for _, p, dim in normalized_matrices(model, residual_axis=False):
         project_(p, dim, bound=True)
-
-
-_TABLE_F1 = {  # name: (d_m, layers, heads)
-    "32m": (256, 6, 4), "62m": (384, 10, 6), "125m": (512, 18, 8),
-    "250m": (768, 18, 12), "0.5b": (1024, 24, 16), "1b": (1280, 36, 20),
-}
-FLAVORS = {"debug": dict(dim=128, n_layers=4, n_heads=4)}
-FLAVORS.update({name: dict(dim=d, n_layers=n, n_heads=h, vocab_size=50304) for name, (d, n, h) in _TABLE_F1.items()})
-
-register_spec(ModelSpec(
-    name="angpt",
-    args_cls=ANGPTArgs,
-    flavors=FLAVORS,
-    build=ANGPT,
-    tp_plan=normalized_tp_plan,
-    post_step=angpt_post_step,
-    description="anGPT: approximately normalised GPT with norm-bounded weights and LERP residuals",
-))

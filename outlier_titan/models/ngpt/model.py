@@ -54,10 +54,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from outlier_titan.config.manager import ConfigError
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import Attention, RotaryEmbedding, attention, init_norms
-from outlier_titan.models.pre_ln import build_rope, rope_dims
-from outlier_titan.models.registry import ModelSpec, register_spec
+from outlier_titan.models.ngpt import NGPTOptions
+from outlier_titan.models.pre_ln.model import build_rope, rope_dims
 from outlier_titan.models.roles import DEFAULT_ROLES
-from outlier_titan.models.spec_options import NGPTOptions
 from outlier_titan.tensors import local
 
 NORM_EPS = 1e-12
@@ -184,7 +183,7 @@ class Lerp(nn.Module):
 
 @dataclass
 class NGPTArgs(NGPTOptions):
-    """The ngpt spec's args: its own options (``alpha_init``, ``param_scale``, ...: ``models/spec_options.py``) and
+    """The ngpt spec's args: its own options (``alpha_init``, ``param_scale``, ...: ``models/ngpt/__init__.py``) and
     the architecture below."""
 
     dim: int = 128
@@ -325,42 +324,3 @@ def ngpt_post_step(model: nn.Module) -> None:
     """Renormalises every matrix to unit norm along d_model (works on FSDP / TP DTensor shards)."""
     for _, p, dim in normalized_matrices(model, residual_axis=True):
         project_(p, dim, bound=False)
-
-
-def normalized_tp_plan(model: nn.Module, tp_mesh, args) -> None:
-    """Standard Megatron TP + sequence parallel for the blocks' linears, the vocab-parallel embedding and the
-    column-parallel head (with its s_z vector), plus: LERP steps replicated over the sequence shards, per-head
-    vectors (s_qk, g) sharded with the heads. Used by ngpt and angpt."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from outlier_titan.parallel.tensor_parallel import ReplicatedParamsOnShards, ShardedParams, apply_standard_tp
-
-    apply_standard_tp(model, tp_mesh, args, block_norms=False)
-    for block in model.layers.values():
-        plan = {"attn_lerp": ReplicatedParamsOnShards(1), "mlp_lerp": ReplicatedParamsOnShards(1)}
-        for name, m in block.attention.named_children():
-            if isinstance(m, HeadScale):
-                plan[f"attention.{name}"] = ShardedParams()
-        parallelize_module(block, tp_mesh, plan)
-
-
-FLAVORS = {
-    "debug": dict(dim=128, n_layers=4, n_heads=4),
-    # anGPT paper Table F.1 shapes (d_h = 64, 4d SwiGLU per branch, vocab 50,304)
-    "32m": dict(dim=256, n_layers=6, n_heads=4, vocab_size=50304),
-    "62m": dict(dim=384, n_layers=10, n_heads=6, vocab_size=50304),
-    "125m": dict(dim=512, n_layers=18, n_heads=8, vocab_size=50304),
-    "250m": dict(dim=768, n_layers=18, n_heads=12, vocab_size=50304),
-    "0.5b": dict(dim=1024, n_layers=24, n_heads=16, vocab_size=50304),  # also the NVIDIA reference model
-    "1b": dict(dim=1280, n_layers=36, n_heads=20, vocab_size=50304),
-}
-
-register_spec(ModelSpec(
-    name="ngpt",
-    args_cls=NGPTArgs,
-    flavors=FLAVORS,
-    build=NGPT,
-    tp_plan=normalized_tp_plan,
-    post_step=ngpt_post_step,
-    description="nGPT (normalised Transformer) as the NVIDIA reference, with correct RoPE",
-))

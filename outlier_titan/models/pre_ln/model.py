@@ -46,14 +46,13 @@ from outlier_titan.config.manager import ConfigError
 from outlier_titan.models.attention import AttentionArgs, block_options, resolve_variant, validate_attention_args
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import MLP, Attention, RotaryEmbedding, build_norm, init_norms
-from outlier_titan.models.registry import ModelSpec, register_spec
+from outlier_titan.models.pre_ln import PreLNOptions
 from outlier_titan.models.roles import DEFAULT_ROLES
-from outlier_titan.models.spec_options import PreLNOptions
 
 
 @dataclass
 class PreLNArgs(AttentionArgs, PreLNOptions):
-    """The pre_ln spec's args: its own options (``norm``, ``embed_proj``: ``models/spec_options.py``), the attention
+    """The pre_ln spec's args: its own options (``norm``, ``embed_proj``: ``models/pre_ln/__init__.py``), the attention
     options, and the architecture below."""
 
     dim: int = 128
@@ -196,62 +195,3 @@ class PreLNTransformer(nn.Module):
                 init.linear(lin, a.init_std / (2 * a.n_layers) ** 0.5)
         init.linear(self.output, a.init_std)
         init_norms(self)
-
-
-GPT2 = dict(norm="layernorm", pos_encoding="learned", bias=True, mlp="gelu", tie_embeddings=True)
-LLAMA = dict(norm="rmsnorm", pos_encoding="rope", bias=False, mlp="swiglu", tie_embeddings=False,
-             norm_eps=1e-5, rope_theta=500000.0)
-
-# Kaul et al. 2024 (softmax-1 / OrthoAdam): RMSNormSingle everywhere and no biases; softmax is the per-run switch.
-SEED000_GPT2 = dict(GPT2, norm="rmsnorm_single", bias=False, norm_eps=1e-5)
-SEED000_LLAMA2 = dict(LLAMA, norm="rmsnorm_single", bias=False, norm_eps=1e-6, rope_theta=10000.0)
-# Franke et al. 2025's GPT+ baseline (Table F.1 / F.2).
-GPTPLUS = dict(norm="rmsnorm", pos_encoding="rope", rope_fraction=0.5, bias=False, mlp="swiglu",
-               tie_embeddings=False, qk_norm=True, norm_eps=1e-6, rope_theta=10000.0, vocab_size=50304)
-
-FLAVORS = {
-    "debug": dict(GPT2, dim=128, n_layers=4, n_heads=4),
-    "debug_llama": dict(LLAMA, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, rope_theta=10000.0),
-    # GPT-2 family (Radford et al. 2019 shapes; vocab follows the tokenizer unless model.vocab_size is set)
-    "gpt2_124m": dict(GPT2, dim=768, n_layers=12, n_heads=12),
-    "gpt2_350m": dict(GPT2, dim=1024, n_layers=24, n_heads=16),
-    "gpt2_774m": dict(GPT2, dim=1280, n_layers=36, n_heads=20),
-    "gpt2_1.4b": dict(GPT2, dim=1600, n_layers=48, n_heads=25),
-    # Llama 3.2 1B shape
-    "llama_1b": dict(LLAMA, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192),
-    # Llama 3.2 3B shape
-    "llama_3b": dict(LLAMA, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_hidden=8192),
-    # Llama 2 7B shape (multi-head attention, SwiGLU 11008)
-    "llama_7b": dict(LLAMA, dim=4096, n_layers=32, n_heads=32, ffn_hidden=11008),
-    # Kaul et al. 2024 (dims chosen here, see the module docstring)
-    "seed000_gpt2_60m": dict(SEED000_GPT2, dim=512, n_layers=11, n_heads=8),
-    "seed000_gpt2_130m": dict(SEED000_GPT2, dim=768, n_layers=12, n_heads=12),
-    "seed000_gpt2_350m": dict(SEED000_GPT2, dim=1024, n_layers=24, n_heads=16),
-    "seed000_gpt2_1.4b": dict(SEED000_GPT2, dim=1536, n_layers=48, n_heads=24),
-    "seed000_llama2_130m": dict(SEED000_LLAMA2, dim=768, n_layers=12, n_heads=12, ffn_hidden=2048),
-    # Franke et al. 2025 GPT+ (Table F.1: d_h = 64, SwiGLU 4*d per branch, vocab 50,304)
-    "gptplus_32m": dict(GPTPLUS, dim=256, n_layers=6, n_heads=4, ffn_hidden=1024),
-    "gptplus_62m": dict(GPTPLUS, dim=384, n_layers=10, n_heads=6, ffn_hidden=1536),
-    "gptplus_125m": dict(GPTPLUS, dim=512, n_layers=18, n_heads=8, ffn_hidden=2048),
-    "gptplus_250m": dict(GPTPLUS, dim=768, n_layers=18, n_heads=12, ffn_hidden=3072),
-    "gptplus_0.5b": dict(GPTPLUS, dim=1024, n_layers=24, n_heads=16, ffn_hidden=4096),
-    "gptplus_1b": dict(GPTPLUS, dim=1280, n_layers=36, n_heads=20, ffn_hidden=5120),
-}
-
-
-def _tp_plan(model, tp_mesh, args):
-    if args.embed_proj:
-        raise ConfigError("model.embed_proj has no tensor-parallel plan; train it with parallelism.tp = 1 "
-                          "(FSDP / HSDP)")
-    from outlier_titan.parallel.tensor_parallel import apply_standard_tp
-    apply_standard_tp(model, tp_mesh, args, loss_parallel=True)
-
-
-register_spec(ModelSpec(
-    name="pre_ln",
-    args_cls=PreLNArgs,
-    flavors=FLAVORS,
-    build=PreLNTransformer,
-    tp_plan=_tp_plan,
-    description="Pre-LN GPT-2 / Llama with softmax-1, single-scale RMSNorm and QK-norm (GPT+) options",
-))
