@@ -17,6 +17,7 @@ from typing import Any
 
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.errors import ConfigError
+from outlier_titan.models import attention_variants
 from outlier_titan.options import owned_by
 from outlier_titan.packaged import resolve_config
 
@@ -232,9 +233,10 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"parallelism.dp_shard must be -1 (fill) or >= 1, got {p.dp_shard}")
     if t.micro_batch_size is not None:
         positive("training.micro_batch_size", t.micro_batch_size)
-    bad = set(cfg.optimizer.no_decay) - {"norm", "bias", "embedding", "gain", "sink"}
+    classes = attention_variants.param_classes()
+    bad = set(cfg.optimizer.no_decay) - set(classes)
     if bad:
-        raise ConfigError(f"optimizer.no_decay: unknown class {sorted(bad)}; allowed: norm, bias, embedding, gain, sink")
+        raise ConfigError(f"optimizer.no_decay: unknown class {sorted(bad)}; allowed: {', '.join(classes)}")
 
 
 _FLOAT32_MAX = 3.4028234663852886e38
