@@ -23,9 +23,9 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from outlier_titan.models import attention_flex
-from outlier_titan.models.attention_variants import (ATTENTION_IMPLS, AttentionChoice, AttentionError,
-                                                     AttentionOptions, get_variant, option_groups, used_variants,
-                                                     validate_options, variants)
+from outlier_titan.models.attention_variants.registry import (ATTENTION_IMPLS, AttentionChoice, AttentionError,
+                                                              AttentionOptions, get_variant, option_groups,
+                                                              used_variants, validate_options, variants)
 from outlier_titan.options import owner_defaults
 from outlier_titan.tensors import local
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
-from outlier_titan.models.attention_variants import get_variant
+from outlier_titan.models.attention_variants.registry import get_variant
 
 NEG_INF = float("-inf")
 

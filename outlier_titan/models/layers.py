@@ -3,8 +3,8 @@
 
 Conventions every spec follows (the TP plans, FSDP placements, optimizer and probe rely on them):
 linear weights are named ``wq, wk, wv, wo`` (attention; a variant's own modules carry the names its entry declares)
-and ``w1, w2, w3`` (MLP; w2 is the output projection); ``wo`` and ``w2`` map back into the residual stream. Heads are inferred from the local
-weight shapes at run time, so a tensor-parallel shard sees only its local heads.
+and ``w1, w2, w3`` (MLP; w2 is the output projection); ``wo`` and ``w2`` map back into the residual stream. Heads
+are inferred from the local weight shapes at run time, so a tensor-parallel shard sees only its local heads.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 2. OP's per-channel residual scales (LayerScale) fold into the writer before them, ``W <- diag(s) W``; scalar
    scales (OP's beta, the MLP's alpha, the embedding multiplier) commute with a rotation and stay.
 3. Fold every norm's gain (vector, or the single-scale RMSNorm's scalar) and LayerNorm bias into the linear layers
-   that read its output (``wq wk wv`` and a gate's ``wg``, ``w1 w3``, the head: ``W <- W diag(g)``,
+   that read its output (``wq wk wv`` and a variant's input readers, ``w1 w3``, the head: ``W <- W diag(g)``,
    ``b <- b + W beta``); the norms become gain-less RMSNorms. LayerNorm: when every read of the residual stream is
    a LayerNorm, subtract the mean from everything that writes into the stream (token and learned position
    embeddings, the outputs of ``wo`` and ``w2`` with their biases), so the stream is exactly zero-mean and every

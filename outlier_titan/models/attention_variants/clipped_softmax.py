@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from outlier_titan.models.attention_variants import (AttentionError, AttentionVariant, VariantForms,
-                                                     register_variant)
+from outlier_titan.models.attention_variants.registry import (AttentionError, AttentionVariant, VariantForms,
+                                                              register_variant)
 from outlier_titan.options import opt
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from outlier_titan.models.attention_variants import (AttentionVariant, VariantForms, VariantParam, get_variant,
-                                                     register_variant)
+from outlier_titan.models.attention_variants.registry import (AttentionVariant, VariantForms, VariantParam,
+                                                              get_variant, register_variant)
 
 
 def _gated(per_channel: bool):

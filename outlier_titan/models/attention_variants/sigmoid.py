@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from outlier_titan.models.attention_variants import AttentionVariant, VariantForms, register_variant
+from outlier_titan.models.attention_variants.registry import AttentionVariant, VariantForms, register_variant
 from outlier_titan.options import opt
 
 

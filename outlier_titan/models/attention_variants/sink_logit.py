@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from outlier_titan.models.attention_variants import AttentionVariant, VariantForms, VariantParam, register_variant
+from outlier_titan.models.attention_variants.registry import (AttentionVariant, VariantForms, VariantParam,
+                                                              register_variant)
 from outlier_titan.options import opt
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from outlier_titan.models.attention_variants import AttentionVariant, VariantForms, register_variant
+from outlier_titan.models.attention_variants.registry import AttentionVariant, VariantForms, register_variant
 
 
 def _forms() -> VariantForms:

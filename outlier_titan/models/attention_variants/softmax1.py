@@ -4,7 +4,7 @@ softmax's output times ``sigmoid(lse)``."""
 
 from __future__ import annotations
 
-from outlier_titan.models.attention_variants import AttentionVariant, VariantForms, register_variant
+from outlier_titan.models.attention_variants.registry import AttentionVariant, VariantForms, register_variant
 
 
 def sink_weights(s, c):
