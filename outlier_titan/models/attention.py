@@ -58,7 +58,7 @@ def validate_attention_args(args, spec: str, unsupported: tuple[str, ...] = (), 
     validate_options(args)
 
 
-def input_readers() -> tuple[str, ...]:
+def input_reading_variants() -> tuple[str, ...]:
     """The variants with a module that reads the block's normalised attention input."""
     return tuple(v.name for v in variants() if v.reads_input)
 

@@ -57,7 +57,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from outlier_titan.config.manager import ConfigError
-from outlier_titan.models.attention import AttentionArgs, input_readers, resolve_variant, validate_attention_args
+from outlier_titan.models.attention import (AttentionArgs, input_reading_variants, resolve_variant,
+                                            validate_attention_args)
 from outlier_titan.models.attention_variants import block_options
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import MLP, Attention, LayerNorm, RotaryEmbedding, build_norm, init_norms
@@ -118,7 +119,7 @@ class OPArgs(AttentionArgs, OPOptions):
         if self.mlp_alpha not in ("none", "analytic", "trainable"):
             raise ConfigError(f"model.mlp_alpha = {self.mlp_alpha!r} is not a mode")
         pre_norm = self.block in ("pre_ln", "pre_rms", "pre_srms")
-        validate_attention_args(self, "op", () if pre_norm else input_readers(),
+        validate_attention_args(self, "op", () if pre_norm else input_reading_variants(),
                                 f"block {self.block!r} has no normalised attention input for the variant's "
                                 f"input projections")
 
