@@ -1,7 +1,8 @@
 """An attention variant as one plug-in file (tests/plugins/toy_attention.py): loaded before the config, it is a
 ``model.attention`` choice with its option in ``[model]`` and ``--help``, a debug model builds with it (its module,
 optimizer class and TP placement as declared), and its forward on the default (chunked) and probe (explicit) paths
-equals its formula in float64. It runs in a fresh interpreter, as an entry point loads plug-ins there."""
+equals its formula in float64 (values and gradients). It runs in a fresh interpreter, as an entry point loads
+plug-ins there."""
 
 import subprocess
 import sys
@@ -51,11 +52,18 @@ SCRIPT = textwrap.dedent("""
         return att.project_out(out)
 
     x = torch.randn(2, 40, args.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x.requires_grad_()
     ref = reference(x)
-    assert (att(x) - ref).abs().max().item() < 1e-10
+    got = att(x)
+    assert (got - ref).abs().max().item() < 1e-10
+    up = torch.randn_like(ref)
+    inputs = [x, att.toy_scale.weight, att.wq.weight]
+    for g, r in zip(torch.autograd.grad(got, inputs, up), torch.autograd.grad(ref, inputs, up)):
+        assert torch.isfinite(g).all() and (g - r).abs().max().item() < 1e-10
+    x = x.detach()
     seen = []
     att.prob_hook = seen.append
-    assert (att(x) - ref).abs().max().item() < 1e-10
+    assert (att(x) - ref.detach()).abs().max().item() < 1e-10
     assert seen[0].shape == (2, args.n_heads, 40, 40) and torch.allclose(seen[0].sum(-1), torch.ones(()).double())
     att.prob_hook = None
     tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))

@@ -30,7 +30,8 @@ def _forms() -> VariantForms:
     from outlier_titan.models.attention_flex import causal_flex
 
     def weights(s, visible, first, t, opts, state):
-        return torch.softmax((s * state.to(s.dtype).view(1, -1, 1, 1)).masked_fill(~visible, float("-inf")), -1)
+        scaled = s.masked_fill(~visible, 0.0) * state.to(s.dtype).view(1, -1, 1, 1)  # -inf * g: no gradient for g
+        return torch.softmax(scaled.masked_fill(~visible, float("-inf")), -1)
 
     def flex(q, k, v, scale, softcap, opts, state):
         def mod(score, b, h, q_idx, kv_idx):
