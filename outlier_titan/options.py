@@ -67,6 +67,11 @@ ATTENTION_IMPLS = ("auto", "fused", "chunked", "explicit")
 """How attention runs (``model.attention_impl``): auto = the fused kernels on a GPU, SDPA or the chunked path
 elsewhere; fused = SDPA or FlexAttention (no backward on the CPU); chunked = query blocks recomputed in the
 backward, any device; explicit = the [B, H, T, T] weights (the probe's reader and the tests' oracle)."""
+NO_DECAY_CLASSES = RegisteredChoices()
+"""The parameter classes ``optimizer.no_decay`` may list: every model's (below) and those components register (an
+attention variant's learned sink logits: ``sink``)."""
+for _name in ("norm", "bias", "embedding", "gain"):
+    NO_DECAY_CLASSES.add(_name)
 DATA_SOURCE_NAMES = RegisteredChoices()
 """The named sources ``data.source`` takes besides paths (``outlier_titan.data.sources.register_source`` fills it);
 ``--help`` lists them (``names`` of the field's metadata), the value is not restricted to them."""

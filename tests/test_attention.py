@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from outlier_titan.config.job_config import Model, Optimizer
 from outlier_titan.config.manager import ConfigError
 from outlier_titan.models import attention as attn_mod
-from outlier_titan.models.attention import AttentionOptions, attention_weights
+from outlier_titan.models.attention import attention_weights
+from outlier_titan.models.attention_variants import AttentionOptions, variants
 from outlier_titan.models.layers import Attention, attention
 from outlier_titan.models.registry import model_args
 from outlier_titan.optim.builder import build_param_groups
@@ -73,7 +74,7 @@ def test_variant_equals_formula_values_and_grads(variant, logit_scale):
     scale = 8 ** -0.5
     sink = torch.tensor([-1.0, 0.5, 3.0], dtype=torch.float64, requires_grad=True) if variant == "sink_logit" else None
     opts = AttentionOptions(variant=variant)
-    got = attention(q, k, v, variant, opts=opts, sink=sink)
+    got = attention(q, k, v, variant, opts=opts, state=sink)
     kw = {"sink": sink} if sink is not None else {}
     ref = attention_formula(q, k, v, variant, scale, **kw)
     assert (got - ref).abs().max().item() < TOL
@@ -83,20 +84,20 @@ def test_variant_equals_formula_values_and_grads(variant, logit_scale):
         assert (gg - gr).abs().max().item() < TOL
     # the probe's explicit weights give the same output
     seen = []
-    again = attention(q, k, v, variant, opts=opts, sink=sink, prob_hook=seen.append)
+    again = attention(q, k, v, variant, opts=opts, state=sink, prob_hook=seen.append)
     assert (again - ref).abs().max().item() < TOL and seen[0].shape == (2, 3, 13, 13)
 
 
 @pytest.mark.parametrize("variant,kw,opts", [
-    ("sigmoid", {"bias": 0.7}, {"sigmoid_bias": 0.7}),
-    ("relu", {"relu_norm": "seq_len"}, {"relu_norm": "seq_len"}),
-    ("relu", {"relu_norm": "none"}, {"relu_norm": "none"}),
-    ("clipped_softmax", {"zeta": 1.1, "gamma": -0.2}, {"clip_zeta": 1.1, "clip_gamma": -0.2}),
-    ("softpick", {"eps": 1e-2}, {"softpick_eps": 1e-2}),
+    ("sigmoid", {"bias": 0.7}, {"attention_sigmoid_bias": 0.7}),
+    ("relu", {"relu_norm": "seq_len"}, {"attention_relu_norm": "seq_len"}),
+    ("relu", {"relu_norm": "none"}, {"attention_relu_norm": "none"}),
+    ("clipped_softmax", {"zeta": 1.1, "gamma": -0.2}, {"attention_clip_zeta": 1.1, "attention_clip_gamma": -0.2}),
+    ("softpick", {"eps": 1e-2}, {"attention_softpick_eps": 1e-2}),
 ])
 def test_variant_options(variant, kw, opts):
     q, k, v = _qkv(1, 2, 9, 4, 2.0, seed=11)
-    got = attention(q, k, v, variant, opts=AttentionOptions(variant=variant, **opts))
+    got = attention(q, k, v, variant, opts=AttentionOptions.of(variant, **opts))
     ref = attention_formula(q, k, v, variant, 0.5, **kw)
     assert (got - ref).abs().max().item() < TOL
 
@@ -117,10 +118,10 @@ def test_softpick_stable_form_survives_large_logits():
 def test_sink_logit_zero_is_softmax1_and_large_negative_is_softmax():
     q, k, v = _qkv(1, 2, 7, 4, 1.0, seed=4)
     zero = attention(q, k, v, "sink_logit", opts=AttentionOptions(variant="sink_logit"),
-                     sink=torch.zeros(2, dtype=torch.float64))
+                     state=torch.zeros(2, dtype=torch.float64))
     assert (zero - attention(q, k, v, "softmax1")).abs().max().item() < TOL
     far = attention(q, k, v, "sink_logit", opts=AttentionOptions(variant="sink_logit"),
-                    sink=torch.full((2,), -200.0, dtype=torch.float64))
+                    state=torch.full((2,), -200.0, dtype=torch.float64))
     assert (far - attention(q, k, v, "softmax")).abs().max().item() < TOL
 
 
@@ -128,7 +129,7 @@ def test_sink_logit_zero_is_softmax1_and_large_negative_is_softmax():
 def test_gated_attention_module_equals_formula(variant):
     torch.manual_seed(0)
     dim, heads, t = 16, 4, 9
-    att = Attention(dim, heads, heads, bias=False, softmax=variant).double()
+    att = Attention(dim, heads, heads, bias=False, variant=variant).double()
     x = torch.randn(2, t, dim, dtype=torch.float64, requires_grad=True)
     got = att(x)
     q, k, v = att.project_qkv(x)
@@ -145,7 +146,11 @@ def test_gated_attention_module_equals_formula(variant):
     assert att.wg.weight.shape == (heads * per, dim)
 
 
-@pytest.mark.parametrize("variant", attn_mod.VARIANTS)
+VARIANTS = [v.name for v in variants()]
+SDPA = ("softmax", "softmax1", "gated_head", "gated_elementwise")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_backend_sdpa_or_chunked_on_the_cpu(monkeypatch, variant):
     calls = []
     real = F.scaled_dot_product_attention
@@ -154,7 +159,7 @@ def test_backend_sdpa_or_chunked_on_the_cpu(monkeypatch, variant):
         calls.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(attn_mod.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     seen, real_explicit = [], attn_mod.explicit_attention
 
     def explicit_spy(q, *args, **kwargs):
@@ -164,16 +169,16 @@ def test_backend_sdpa_or_chunked_on_the_cpu(monkeypatch, variant):
     monkeypatch.setattr(attn_mod, "explicit_attention", explicit_spy)
     q, k, v = _qkv(1, 2, 300, 4, 1.0, seed=1)
     sink = torch.zeros(2, dtype=torch.float64, requires_grad=True) if variant == "sink_logit" else None
-    attention(q, k, v, variant, opts=AttentionOptions(variant=variant), sink=sink).sum().backward()
-    assert len(calls) == (1 if variant in attn_mod.SDPA else 0), variant
+    attention(q, k, v, variant, opts=AttentionOptions(variant=variant), state=sink).sum().backward()
+    assert len(calls) == (1 if variant in SDPA else 0), variant
     # the sink logit: the CPU flash kernel called directly (test_attention_paths); the rest: blocks of CHUNK_ROWS
     # queries, each run again in the backward
-    chunked = variant not in attn_mod.SDPA + ("sink_logit",)
+    chunked = variant not in SDPA + ("sink_logit",)
     assert sorted(seen) == ([44, 44, 128, 128, 128, 128] if chunked else []), seen
     # the probe hook always takes the explicit path, all queries at once
     calls.clear()
     seen.clear()
-    attention(q, k, v, variant, opts=AttentionOptions(variant=variant), sink=sink, prob_hook=lambda p: None)
+    attention(q, k, v, variant, opts=AttentionOptions(variant=variant), state=sink, prob_hook=lambda p: None)
     assert calls == [] and seen == [300]
 
 
@@ -194,16 +199,20 @@ def test_options_errors_are_one_line():
 
 
 def test_old_softmax_key_still_selects_softmax1():
+    from outlier_titan.models.attention_variants import uses_only
+
     _, a = _args(softmax="softmax1")
-    assert a.attention == "softmax1" and a.softmax == "softmax1"
-    _, a = _args(attention="sink_logit")
-    assert a.softmax == "sink_logit"  # HF export then refuses it (exportable() checks softmax == softmax)
+    assert a.attention == "softmax1"
+    _, a = _args(attention_layers="softmax,sink_logit")
+    assert a.attention == "softmax" and not uses_only(a, "softmax")  # HF export refuses it
+    _, a = _args()
+    assert uses_only(a, "softmax")
 
 
 def test_attention_layers_cycle_and_parameters():
     spec, a = _args(attention_layers="sink_logit,gated_head,softpick", attention_sink_init=-2.0)
     m = spec.build(a)
-    kinds = [blk.attention.softmax for blk in m.layers.values()]
+    kinds = [blk.attention.variant for blk in m.layers.values()]
     assert kinds == ["sink_logit", "gated_head", "softpick", "sink_logit"]
     names = [n for n, _ in m.named_parameters()]
     assert "layers.0.attention.sink.weight" in names and "layers.1.attention.wg.weight" in names
@@ -228,7 +237,7 @@ def test_sink_logits_and_gates_export_to_safetensors_and_back_not_to_hf(tmp_path
 
     model = _save_dcp_checkpoint(tmp_path / "run", ["--model.attention_layers", "sink_logit,gated_elementwise",
                                                     "--model.attention_sink_init", "1.5"])
-    with pytest.raises(UserError, match="model.softmax = 'sink_logit'"):
+    with pytest.raises(UserError, match="attention variant sink_logit, gated_elementwise "):
         export_model(tmp_path / "run", tmp_path / "hf", "hf")
     fmt, _ = export_model(tmp_path / "run", tmp_path / "out", "auto")
     assert fmt == "safetensors"
@@ -245,7 +254,7 @@ def test_softcap_caps_the_logits_before_the_variant_but_not_the_sink(variant):
     q, k, v = _qkv(1, 2, 6, 4, 6.0, seed=9)
     cap = 3.0
     sink = torch.tensor([2.5, 4.0], dtype=torch.float64) if variant == "sink_logit" else None
-    got = attention(q, k, v, variant, opts=AttentionOptions(variant=variant), sink=sink, softcap=cap)
+    got = attention(q, k, v, variant, opts=AttentionOptions(variant=variant), state=sink, softcap=cap)
     ref = torch.zeros_like(got)
     for i in range(6):
         s = torch.einsum("bhd,bhjd->bhj", q[:, :, i], k[:, :, : i + 1]) * 0.5
@@ -272,11 +281,13 @@ def test_the_registry_feeds_the_config_and_the_model_code():
 
     from outlier_titan.config.manager import help_text
     from outlier_titan.models import attention_variants as reg
+    from outlier_titan.options import NO_DECAY_CLASSES
 
     names = [v.name for v in reg.variants()]
     fields = {f.name: f for f in dataclasses.fields(Model)}
-    assert list(fields["attention"].metadata["choices"]) == names == list(attn_mod.VARIANTS)
-    assert set(attn_mod.SDPA) == {"softmax", "softmax1", "gated_head", "gated_elementwise"}
+    assert list(fields["attention"].metadata["choices"]) == names
+    assert {n for n in names if reg.get_variant(n).torch_forms().sdpa is not None} == set(SDPA + ("sink_logit",))
+    assert tuple(NO_DECAY_CLASSES) == ("norm", "bias", "embedding", "gain", "sink")
     owned = {k: f.metadata["owner"] for k, f in fields.items() if f.metadata.get("kind") == reg.KIND}
     assert owned == {"attention_sink_init": "sink_logit", "attention_softpick_eps": "softpick",
                      "attention_sigmoid_bias": "sigmoid", "attention_relu_norm": "relu",

@@ -13,7 +13,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from outlier_titan.models import attention as attn_mod
-from outlier_titan.models.attention import AttentionError, AttentionOptions, run_attention
+from outlier_titan.models.attention import AttentionError, run_attention
+from outlier_titan.models.attention_variants import AttentionOptions, variants
 from outlier_titan.models.attention_flex import flex_attention_variant
 from outlier_titan.models.layers import Attention, RotaryEmbedding, attention, repeat_kv
 from outlier_titan.parallel.parallelize import _op_policy
@@ -21,7 +22,8 @@ from outlier_titan.tools.benchmark import attention_step, peak_bytes
 from tests.test_attention import attention_formula
 
 TOL = 1e-10
-VARIANTS = attn_mod.VARIANTS
+VARIANTS = [v.name for v in variants()]
+SDPA = ("softmax", "softmax1", "gated_head", "gated_elementwise")
 
 
 @pytest.fixture
@@ -47,12 +49,12 @@ def test_every_path_equals_the_formula_with_gqa(small_chunks, variant):
     q, k, v = _qkv(4, 2, 37, seed=3)  # 37 queries: blocks of 8, 8, 8, 8, 5
     sink = _sink(variant)
     inputs = [q, k, v] + ([sink] if sink is not None else [])
-    formula = "softmax" if variant in attn_mod.GATED else variant
+    formula = "softmax" if variant.startswith("gated") else variant
     ref = attention_formula(q, *repeat_kv(q, k, v), formula, 8 ** -0.5, **({"sink": sink} if sink is not None else {}))
     up = torch.randn_like(ref)
     want = torch.autograd.grad(ref, inputs, up)
     for impl in ("auto", "chunked", "explicit"):
-        got = attention(q, k, v, variant, opts=AttentionOptions(variant=variant, impl=impl), sink=sink)
+        got = attention(q, k, v, variant, opts=AttentionOptions(variant=variant, impl=impl), state=sink)
         assert (got - ref).abs().max().item() < TOL, impl
         for gg, gr in zip(torch.autograd.grad(got, inputs, up), want):
             assert (gg - gr).abs().max().item() < TOL, impl
@@ -64,8 +66,8 @@ def test_chunked_equals_explicit_under_a_softcap(small_chunks, variant):
     sink = _sink(variant)
     inputs = [q, k, v] + ([sink] if sink is not None else [])
     o = AttentionOptions(variant=variant)
-    ref = attn_mod.explicit_attention(q, k, v, o, 8 ** -0.5, sink=sink, softcap=2.0)
-    got = attn_mod.chunked_attention(q, k, v, o, 8 ** -0.5, sink=sink, softcap=2.0)
+    ref = attn_mod.explicit_attention(q, k, v, o, 8 ** -0.5, state=sink, softcap=2.0)
+    got = attn_mod.chunked_attention(q, k, v, o, 8 ** -0.5, state=sink, softcap=2.0)
     assert (got - ref).abs().max().item() < 1e-12
     up = torch.randn_like(ref)
     for gg, gr in zip(torch.autograd.grad(got, inputs, up), torch.autograd.grad(ref, inputs, up)):
@@ -76,9 +78,9 @@ def _module(variant, impl, seed=0):
     torch.manual_seed(seed)
     rope = RotaryEmbedding(8, 40)
     rope.init_weights()
-    att = Attention(32, 4, 2, bias=False, softmax=variant, rope=rope,
+    att = Attention(32, 4, 2, bias=False, variant=variant, rope=rope,
                     opts=AttentionOptions(variant=variant, impl=impl)).double()
-    if att.sink is not None:
+    if variant == "sink_logit":
         with torch.no_grad():
             att.sink.weight.copy_(torch.tensor([-1.0, 0.5, 3.0, 0.0]))
     return att
@@ -117,9 +119,10 @@ def test_cpu_paths_compile_in_one_graph(small_chunks, variant, impl):
 
 
 FLEX_CASES = [(v, {}, 0.0) for v in VARIANTS] + [
-    ("sigmoid", {"sigmoid_bias": 0.7}, 0.0), ("relu", {"relu_norm": "seq_len"}, 0.0),
-    ("relu", {"relu_norm": "none"}, 0.0), ("clipped_softmax", {"clip_zeta": 1.1, "clip_gamma": -0.2}, 0.0),
-    ("softpick", {"softpick_eps": 1e-2}, 0.0), ("sink_logit", {}, 2.0), ("softpick", {}, 2.0),
+    ("sigmoid", {"attention_sigmoid_bias": 0.7}, 0.0), ("relu", {"attention_relu_norm": "seq_len"}, 0.0),
+    ("relu", {"attention_relu_norm": "none"}, 0.0),
+    ("clipped_softmax", {"attention_clip_zeta": 1.1, "attention_clip_gamma": -0.2}, 0.0),
+    ("softpick", {"attention_softpick_eps": 1e-2}, 0.0), ("sink_logit", {}, 2.0), ("softpick", {}, 2.0),
     ("clipped_softmax", {}, 2.0), ("relu", {}, 2.0)]
 
 
@@ -129,11 +132,11 @@ def test_flex_identities_equal_the_explicit_weights_in_forward(variant, opts, so
     q[:, :, 0] = -k[:, :, 0]  # the first query's only logit is negative: relu and softpick give it no weight
     sink = _sink(variant)
     sink = sink.detach() if sink is not None else None
-    o = AttentionOptions(variant=variant, **opts)
-    ref = attn_mod.explicit_attention(q, k, v, o, 8 ** -0.5, sink=sink, softcap=softcap)
+    o = AttentionOptions.of(variant, **opts)
+    ref = attn_mod.explicit_attention(q, k, v, o, 8 ** -0.5, state=sink, softcap=softcap)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention's "without torch.compile" notice
-        got = flex_attention_variant(q, k, v, o, 8 ** -0.5, sink=sink, softcap=softcap)
+        got = flex_attention_variant(q, k, v, o, 8 ** -0.5, state=sink, softcap=softcap)
     assert torch.isfinite(got).all()
     assert (got - ref).abs().max().item() < TOL
 
@@ -141,9 +144,9 @@ def test_flex_identities_equal_the_explicit_weights_in_forward(variant, opts, so
 def test_paths_chosen_per_device_and_fused_refuses_cpu_training():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     path = attn_mod.attention_path
-    on_cpu = attn_mod.SDPA + ("sink_logit",)
+    on_cpu = SDPA + ("sink_logit",)
     assert [path(v, "auto", cpu) for v in VARIANTS] == ["sdpa" if v in on_cpu else "chunked" for v in VARIANTS]
-    assert [path(v, "auto", gpu) for v in VARIANTS] == ["sdpa" if v in attn_mod.SDPA else "flex" for v in VARIANTS]
+    assert [path(v, "auto", gpu) for v in VARIANTS] == ["sdpa" if v in SDPA else "flex" for v in VARIANTS]
     assert path("softmax", "auto", gpu, softcap=30.0) == "flex" and path("softmax", "auto", cpu, 30.0) == "chunked"
     assert {path(v, "explicit", gpu) for v in VARIANTS} == {"explicit"}
     q, k, v = _qkv(4, 4, 6, seed=1)
@@ -190,7 +193,7 @@ def test_sink_logit_on_the_cpu_runs_the_flash_kernel_forward_and_backward():
 
     q, k, v = _qkv(4, 4, 40, seed=2)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        attention(q, k, v, "sink_logit", opts=AttentionOptions(variant="sink_logit"), sink=_sink("sink_logit")).sum() \
+        attention(q, k, v, "sink_logit", opts=AttentionOptions(variant="sink_logit"), state=_sink("sink_logit")).sum() \
             .backward()
     names = {e.key.removeprefix("aten::") for e in prof.key_averages()}
     assert {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"} \

@@ -11,9 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from outlier_titan.models.init import Initializer
+from outlier_titan.models.attention_variants import variants
 from outlier_titan.models.pre_ln import GPT2, LLAMA
 from outlier_titan.models.pre_ln.model import PreLNArgs, PreLNTransformer
-from outlier_titan.models.attention import VARIANTS
 from outlier_titan.quant import quantizers as qz
 from outlier_titan.quant.gptq import channel_scales, gptq_quantize, rtn_grid_quantize
 from outlier_titan.quant.ptq import SCHEMES, kv_quantizer, quantized
@@ -163,7 +163,7 @@ def test_rotated_model_equals_the_original_in_float64(base, kw):
         assert torch.equal(m(tokens), ref)  # the original is untouched
 
 
-@pytest.mark.parametrize("attention", sorted(VARIANTS))
+@pytest.mark.parametrize("attention", sorted(v.name for v in variants()))
 def test_rotation_is_exact_for_every_attention_variant_and_the_osp_projections(attention):
     """Every variant's extra parameters stay exact under the rotation (a gate's wg reads the normalised input like
     wq / wk / wv; a sink logit is per head), and so do both OSP projections."""

@@ -65,7 +65,7 @@ def test_packed_rows_every_position_sees_sink_and_its_prefix():
     dim, heads, t = 32, 4, 3 + 9 + 1 + 11  # four documents of lengths 3, 9, 1, 11 packed into 24 tokens
     rope = RotaryEmbedding(dim // heads, t)
     rope.init_weights()
-    att = Attention(dim, heads, heads, bias=False, softmax="softmax1", rope=rope).double()
+    att = Attention(dim, heads, heads, bias=False, variant="softmax1", rope=rope).double()
     x = torch.randn(2, t, dim, dtype=torch.float64, requires_grad=True)
     fused = att(x)
     q, k, v = att.project_qkv(x)  # RoPE applied at the real positions 0..t-1

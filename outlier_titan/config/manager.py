@@ -18,7 +18,7 @@ from typing import Any
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.errors import ConfigError
 from outlier_titan.plugins import load_plugins
-from outlier_titan.options import owned_by
+from outlier_titan.options import NO_DECAY_CLASSES, owned_by
 from outlier_titan.packaged import resolve_config
 
 if sys.version_info >= (3, 11):
@@ -261,9 +261,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"parallelism.dp_shard must be -1 (fill) or >= 1, got {p.dp_shard}")
     if t.micro_batch_size is not None:
         positive("training.micro_batch_size", t.micro_batch_size)
-    bad = set(cfg.optimizer.no_decay) - {"norm", "bias", "embedding", "gain", "sink"}
+    bad = set(cfg.optimizer.no_decay) - set(NO_DECAY_CLASSES)
     if bad:
-        raise ConfigError(f"optimizer.no_decay: unknown class {sorted(bad)}; allowed: norm, bias, embedding, gain, sink")
+        raise ConfigError(f"optimizer.no_decay: unknown class {sorted(bad)}; allowed: {', '.join(NO_DECAY_CLASSES)}")
 
 
 _FLOAT32_MAX = 3.4028234663852886e38

@@ -23,6 +23,7 @@ import torch
 
 from outlier_titan.config.job_config import section_class
 from outlier_titan.hf.folders import HFError, read_hf_config
+from outlier_titan.models.attention_variants import used_variants, uses_only
 
 if TYPE_CHECKING:
     from outlier_titan.config.job_config import Model
@@ -33,6 +34,14 @@ if TYPE_CHECKING:
 def _unsupported(family: str, option: str, value: Any, allowed: str) -> HFError:
     return HFError(f"HF {family} config: {option} = {value!r} is not supported (outlier_titan reproduces "
                    f"{allowed}); convert the model or pick another")
+
+
+def _softmax_only(a, family: str) -> str | None:
+    """None if every block of ``a`` runs plain softmax attention (all HF can hold), else why not."""
+    if uses_only(a, "softmax"):
+        return None
+    others = ", ".join(dict.fromkeys(v for v in used_variants(a) if v != "softmax"))
+    return f"attention variant {others} (HF {family} needs softmax in every block)"
 
 
 def _check_shapes(family: str, got: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]],
@@ -123,10 +132,12 @@ class GPT2Adapter(_Adapter):
     @staticmethod
     def exportable(a) -> str | None:
         """None if ``a`` (PreLNArgs) is a GPT-2 model HF can hold, else the first option that is not."""
-        want = dict(norm="layernorm", softmax="softmax", pos_encoding="learned", bias=True, qk_norm=False)
+        want = dict(norm="layernorm", pos_encoding="learned", bias=True, qk_norm=False)
         for k, v in want.items():
             if getattr(a, k) != v:
                 return f"model.{k} = {getattr(a, k)!r} (HF GPT-2 needs {v!r})"
+        if (why := _softmax_only(a, "GPT-2")) is not None:
+            return why
         if a.mlp not in ("gelu", "relu"):
             return f"model.mlp = {a.mlp!r} (HF GPT-2 needs gelu or relu)"
         if a.n_kv_heads != a.n_heads:
@@ -227,12 +238,11 @@ class LlamaAdapter(_Adapter):
 
     @staticmethod
     def exportable(a) -> str | None:
-        want = dict(norm="rmsnorm", softmax="softmax", pos_encoding="rope", rope_fraction=1.0, qk_norm=False,
-                    mlp="swiglu")
+        want = dict(norm="rmsnorm", pos_encoding="rope", rope_fraction=1.0, qk_norm=False, mlp="swiglu")
         for k, v in want.items():
             if getattr(a, k) != v:
                 return f"model.{k} = {getattr(a, k)!r} (HF Llama needs {v!r})"
-        return None
+        return _softmax_only(a, "Llama")
 
     @staticmethod
     def hf_config(a) -> dict[str, Any]:

@@ -1,8 +1,8 @@
-"""The attention variants on SDPA's fused kernels, exact: softmax and the gates as they are, softmax-1 as a zero key
-and zero value prepended (T + 1 positions, causal), and on the CPU the learned sink logit as softmax's output
-rescaled by the log-sum-exp the CPU flash kernel returns: ``out * sigmoid(lse - c_h)``.
+"""Attention on SDPA's fused kernels, the pieces variants' SDPA forms use: plain causal SDPA, and on the CPU
+softmax's output rescaled by the log-sum-exp the CPU flash kernel returns, ``out * sigmoid(lse - c_h)`` for a
+per-head logit ``c_h`` (a softmax with one extra logit and no value), forward and backward.
 
-The sink's backward adds the gradient that reaches the scores through ``lse``. With ``w = sigmoid(lse - c)`` and
+The rescaled backward adds the gradient that reaches the scores through ``lse``. With ``w = sigmoid(lse - c)`` and
 the upstream gradient ``g``, ``d out = w g`` and ``d lse_i = w_i (1 - w_i) g_i . out_i``, and ``lse``'s gradient
 on the scores is ``P_ij d lse_i``. The flash backward forms ``dS_ij = P_ij (dO_i . v_j - D_i)`` with
 ``D_i = dO_i . out_i``; one extra channel (zero in q, k and v, one in ``out``, ``-d lse_i`` in ``dO``) turns
@@ -14,24 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from outlier_titan.models.attention_variants import variants
 
-SOFTMAX_OUTPUT = ("softmax",) + tuple(v.name for v in variants() if v.gated)
-"""The variants whose attention output is softmax's (the gates act on it afterwards)."""
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str, scale: float,
-                   sink: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of ``variant`` over [B, H, T, d_h] (k, v with H heads) on SDPA's kernels."""
-    if variant == "softmax1":
-        pad = (0, 0, 1, 0)
-        out = F.scaled_dot_product_attention(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), is_causal=True,
-                                             scale=scale)
-        return out[:, :, 1:]
-    if variant == "sink_logit":
-        return SinkRescaledFlash.apply(q, k, v, sink, scale)
-    if variant not in SOFTMAX_OUTPUT:
-        raise ValueError(f"attention variant {variant!r} has no SDPA form")
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax attention over [B, H, T, d_h] (k, v with H heads) on SDPA's kernels."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
@@ -41,16 +26,17 @@ def _with_channel(x: torch.Tensor, value) -> torch.Tensor:
     return torch.cat([x, extra], dim=-1)
 
 
-class SinkRescaledFlash(torch.autograd.Function):
-    """``softmax attention * sigmoid(lse - c_h)`` on the CPU's flash kernel, forward and backward (see above)."""
+class LseRescaledFlash(torch.autograd.Function):
+    """``softmax attention * sigmoid(lse - c_h)`` on the CPU's flash kernel, forward and backward (see above);
+    ``apply(q, k, v, c, scale)`` with ``c`` [H]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, scale):
+    def forward(ctx, q, k, v, c, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)[:2]
         dt = torch.promote_types(q.dtype, torch.float32)
-        w = torch.sigmoid(lse.to(dt) - sink.to(dt).view(1, -1, 1))
+        w = torch.sigmoid(lse.to(dt) - c.to(dt).view(1, -1, 1))
         ctx.save_for_backward(q, k, v, out, lse, w)
-        ctx.scale, ctx.sink_dtype = scale, sink.dtype
+        ctx.scale, ctx.c_dtype = scale, c.dtype
         return (out.to(dt) * w.unsqueeze(-1)).to(q.dtype)
 
     @staticmethod
@@ -62,5 +48,5 @@ class SinkRescaledFlash(torch.autograd.Function):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, _with_channel(q, 0.0), _with_channel(k, 0.0), _with_channel(v, 0.0), _with_channel(out, 1.0),
             lse, 0.0, True, scale=ctx.scale)
-        d_sink = -d_lse.sum(dim=(0, 2)).to(ctx.sink_dtype)
-        return dq[..., :-1], dk[..., :-1], dv[..., :-1], d_sink, None
+        d_c = -d_lse.sum(dim=(0, 2)).to(ctx.c_dtype)
+        return dq[..., :-1], dk[..., :-1], dv[..., :-1], d_c, None

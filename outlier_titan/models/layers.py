@@ -1,10 +1,10 @@
-"""Layers shared by the model specs: norms, RoPE, attention (softmax, exact softmax-1 and the variants of
-:mod:`outlier_titan.models.attention`), MLPs.
+"""Layers shared by the model specs: norms, RoPE, attention (any registered variant:
+:mod:`outlier_titan.models.attention_variants`), MLPs.
 
 Conventions every spec follows (the TP plans, FSDP placements, optimizer and probe rely on them):
-linear weights are named ``wq, wk, wv, wo`` (attention; ``wg`` for a gate) and ``w1, w2, w3`` (MLP; w2 is the output
-projection); ``wo`` and ``w2`` map back into the residual stream. Heads are inferred from the local
-weight shapes at run time, so a tensor-parallel shard sees only its local heads.
+linear weights are named ``wq, wk, wv, wo`` (attention; a variant's own modules carry the names its entry declares)
+and ``w1, w2, w3`` (MLP; w2 is the output projection); ``wo`` and ``w2`` map back into the residual stream. Heads
+are inferred from the local weight shapes at run time, so a tensor-parallel shard sees only its local heads.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from outlier_titan.models.attention import (GATED, AttentionOptions, SinkLogit, apply_gate, attention_weights,
-                                             run_attention)
+from outlier_titan.models.attention import attention_weights, run_attention
+from outlier_titan.models.attention_variants import AttentionOptions, get_variant
 
 
 class RMSNorm(nn.Module):
@@ -102,48 +102,43 @@ def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.
     return k, v
 
 
-def explicit_attention_probs(q: torch.Tensor, k: torch.Tensor, softmax: str, scale: float,
+def explicit_attention_probs(q: torch.Tensor, k: torch.Tensor, variant: str, scale: float,
                              softcap: float = 0.0) -> torch.Tensor:
-    """Causal attention probabilities [B, H, T, T] computed explicitly (softmax-1 rows sum to < 1).
-
-    ``softcap > 0`` caps the scaled logits as c * tanh(s / c) before masking (the sink logit stays 0).
-    ``softmax`` is any parameter-free variant of :mod:`outlier_titan.models.attention`.
-    """
-    return attention_weights(q, k, AttentionOptions(variant=softmax), scale, softcap=softcap)
+    """Causal attention weights [B, H, T, T] of a parameter-free ``variant``, computed explicitly (rows of a variant
+    with a sink sum to < 1). ``softcap > 0`` caps the scaled logits as c * tanh(s / c) before masking."""
+    return attention_weights(q, k, AttentionOptions(variant=variant), scale, softcap=softcap)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax: str, scale: float | None = None,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str, scale: float | None = None,
               prob_hook: Callable[[torch.Tensor], None] | None = None, opts: AttentionOptions | None = None,
-              sink: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
-    """Causal attention over [B, H, T, d_h] tensors (k, v may have fewer heads: GQA).
+              state=None, softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of ``variant`` over [B, H, T, d_h] tensors (k, v may have fewer heads: GQA).
 
-    ``softmax1`` is exact: a zero key and zero value row is prepended to q, k and v and the fused SDPA runs
-    with ``is_causal=True`` on T+1 positions, so every query sees the sink (logit 0, value 0) plus its causal
-    prefix; output row 0 is dropped. With ``prob_hook`` the probabilities are computed explicitly (for the
-    outlier probe) and passed to the hook. The other variants (``opts``; ``sink``: the per-head sink logits)
-    and their backends: :mod:`outlier_titan.models.attention`.
+    With ``prob_hook`` the weights are computed explicitly (for the outlier probe) and passed to the hook.
+    ``opts``: the variant's options (default: its defaults); ``state``: the variant's state (e.g. its learned
+    logits). The paths and backends: :mod:`outlier_titan.models.attention`.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k, v = repeat_kv(q, k, v)
-    opts = opts if opts is not None else AttentionOptions(variant=softmax)
-    return run_attention(q, k, v, opts, scale, sink=sink, softcap=softcap, prob_hook=prob_hook)
+    opts = opts if opts is not None else AttentionOptions(variant=variant)
+    return run_attention(q, k, v, opts, scale, state=state, softcap=softcap, prob_hook=prob_hook)
 
 
 class Attention(nn.Module):
     """Multi-head (grouped-query) causal self-attention with optional RoPE and per-head QK RMSNorm.
 
-    ``softmax`` names the attention variant (:mod:`outlier_titan.models.attention`); ``opts`` carries its
-    options. ``sink_logit`` adds ``sink`` (a :class:`SinkLogit`, one logit per head); the gated variants add
-    ``wg`` (a linear map of the block's attention input to one gate logit per head, or per head and channel).
+    ``variant`` names the attention variant (:mod:`outlier_titan.models.attention_variants`); ``opts`` carries its
+    options. The modules the variant declares (e.g. a sink logit or a gate) are created after the projections, as
+    attributes under their declared names.
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, bias: bool, softmax: str,
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, bias: bool, variant: str,
                  qk_norm: bool = False, rope: RotaryEmbedding | None = None, norm_eps: float = 1e-6,
                  opts: AttentionOptions | None = None):
         super().__init__()
         self.head_dim = dim // n_heads
-        self.opts = opts if opts is not None else AttentionOptions(variant=softmax)
-        self.softmax = self.opts.variant
+        self.opts = opts if opts is not None else AttentionOptions(variant=variant)
+        self.variant = self.opts.variant
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
@@ -151,13 +146,28 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.rope = rope
-        self.sink = SinkLogit(n_heads, self.opts.sink_init) if self.softmax == "sink_logit" else None
-        self.wg = (nn.Linear(dim, n_heads * (1 if self.softmax == "gated_head" else self.head_dim), bias=False)
-                   if self.softmax in GATED else None)
+        entry = get_variant(self.variant)
+        self._forms = entry.torch_forms()
+        if entry.params:
+            built = self._forms.modules(dim, n_heads, self.head_dim, self.opts)
+            for p in entry.params:
+                if p.param_class is not None:
+                    built[p.name].param_class = p.param_class
+                setattr(self, p.name, built[p.name])
         self.prob_hook: Callable[[torch.Tensor], None] | None = None
         self.head_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         # post-training KV-cache fake quantisation (quant/ptq.py): (k, v) after RoPE -> (k^, v^)
         self.kv_quant: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def input_readers(self) -> list[nn.Module]:
+        """The variant's modules that read the block's normalised input (initialised like ``wq``)."""
+        return [getattr(self, name) for name in get_variant(self.variant).reads_input]
+
+    def init_variant(self, init) -> None:
+        """Initialises the variant's other modules (their ``init_weights``)."""
+        for p in get_variant(self.variant).params:
+            if not p.reads_input:
+                getattr(self, p.name).init_weights(init)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, D] -> q, k, v as [B, H_local, T, d_h], with QK-norm and RoPE applied."""
@@ -181,10 +191,11 @@ class Attention(nn.Module):
     def attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                softcap: float = 0.0) -> torch.Tensor:
         """The variant's attention output [B, H_local, T, d_h] (gate applied; ``x`` is the gate's input)."""
-        out = attention(q, k, v, self.softmax, scale=scale, prob_hook=self.prob_hook, opts=self.opts,
-                        sink=self.sink.logits() if self.sink is not None else None, softcap=softcap)
-        if self.wg is not None:
-            out = apply_gate(out, self.wg(x), self.softmax)
+        state = self._forms.state(self) if self._forms.state is not None else None
+        out = attention(q, k, v, self.variant, scale=scale, prob_hook=self.prob_hook, opts=self.opts, state=state,
+                        softcap=softcap)
+        if self._forms.output is not None:
+            out = self._forms.output(self, out, x)
         if self.head_hook is not None:  # the probe: per-head outputs and value states
             self.head_hook(out.detach(), repeat_kv(q, k, v)[1].detach())
         return out

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from outlier_titan.config.job_config import section_class
 from outlier_titan.config.manager import ConfigError
-from outlier_titan.models.attention_variants import check_options_used
+from outlier_titan.models.attention_variants import KIND as VARIANT_KIND, check_options_used
 from outlier_titan.models.spec import ModelSpec, all_specs, get_spec
 
 if TYPE_CHECKING:
@@ -29,11 +29,17 @@ def model_args(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[M
                           f"available: {', '.join(spec.flavors)}")
     values = dict(spec.flavors[model_cfg.flavor])
     arg_names = {f.name for f in dataclasses.fields(spec.args_cls)}
+    # a variant registered after the spec's args class was made (a plug-in) has no field there: set on the args
+    late = {f.name: f.metadata["default"] for f in dataclasses.fields(model_cfg)
+            if f.metadata.get("kind") == VARIANT_KIND and f.name not in arg_names and "attention" in arg_names}
     for f in dataclasses.fields(model_cfg):
         if f.name in ("name", "flavor"):
             continue
         v = getattr(model_cfg, f.name)
         if v is None:
+            continue
+        if f.name in late:
+            late[f.name] = v
             continue
         if f.name not in arg_names:
             owners = _specs_with_option(f.name)
@@ -47,6 +53,8 @@ def model_args(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[M
     if model_cfg.max_seq_len is None and "max_seq_len" in arg_names:
         values["max_seq_len"] = seq_len
     args = spec.args_cls(**values)
+    for name, v in late.items():
+        setattr(args, name, v)
     if "vocab_size" in arg_names and args.vocab_size < vocab_size:
         raise ConfigError(f"model.vocab_size = {args.vocab_size} is smaller than the tokenizer's {vocab_size}")
     if "max_seq_len" in arg_names and args.max_seq_len < seq_len:

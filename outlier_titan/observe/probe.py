@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from outlier_titan.config.job_config import Observe
-from outlier_titan.models.attention import WITH_SINK
+from outlier_titan.models.attention_variants import get_variant
 from outlier_titan.models.layers import Attention
 from outlier_titan.observe import outliers as om
 from outlier_titan.observe.pictures import attention_map_image, hidden_magnitude_image
@@ -108,7 +108,7 @@ class OutlierProbe:
             def hook(probs):
                 p, r = self._probs(probs, module)
                 rep["attn"] |= r
-                sums = om.attention_sums(p, map_size, sink=module.softmax in WITH_SINK)
+                sums = om.attention_sums(p, map_size, sink=get_variant(module.variant).with_sink)
                 attn[name] = om.add_sums(attn.get(name), self._global_heads(sums, module, r))
             return torch.compiler.disable(hook)
 

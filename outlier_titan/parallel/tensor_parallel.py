@@ -6,7 +6,8 @@ Residual stream between blocks: local tensors sharded on the sequence dim (Shard
   wq, wk, wv, w1, w3                            ColwiseParallel   (weight Shard(0): local heads / hidden)
   wo, w2                                        RowwiseParallel   (weight Shard(1)), reduce-scatter -> Shard(1)
   q_norm, k_norm (per head)                     Replicate params over the local-head dim (Shard(1) of q/k)
-  attention.wg (output gate), attention.sink    ColwiseParallel / ShardedParams: local heads' gates and sink logits
+  a variant's modules (attention.<name>)       by their declared placement (PLACEMENTS): colwise ->
+                                                ColwiseParallel, heads -> ShardedParams
   tok_embeddings                                vocab-parallel (RowwiseParallel, weight Shard(0))
   output (untied)                               ColwiseParallel: vocab-sharded logits (loss parallel) or gathered
 With learned positions the embedding output is kept Replicate (positions are added to the full sequence) and
@@ -41,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from outlier_titan.config.manager import ConfigError
+from outlier_titan.models.attention_variants import get_variant
 from outlier_titan.models.spec import TPPlan
 
 
@@ -72,10 +74,9 @@ def tp_block_plan(block: nn.Module, *, norms: bool = True) -> dict:
     }
     if getattr(block.feed_forward, "w3", None) is not None:
         plan["feed_forward.w3"] = ColwiseParallel()
-    if getattr(block.attention, "wg", None) is not None:  # output gate: one logit per local head (and channel)
-        plan["attention.wg"] = ColwiseParallel()
-    if getattr(block.attention, "sink", None) is not None:  # per-head sink logits follow the local heads
-        plan["attention.sink"] = ShardedParams()
+    variant = getattr(block.attention, "variant", None)
+    for p in get_variant(variant).params if variant is not None else ():
+        plan[f"attention.{p.name}"] = PLACEMENTS[p.placement]()
     if getattr(block.attention, "q_norm", None) is not None:
         # q, k are [B, H_local, T, d_h]: the head dim (1) is the sharded one.
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
@@ -199,3 +200,6 @@ PLACEMENTS = {
 }
 """A plan's placement names (``outlier_titan.models.spec.PLACEMENTS``) -> the ParallelStyle each stands for."""
 _PARAM_PLACEMENTS = ("replicated_on_shards", "sharded_params")
+
+
+

@@ -8,7 +8,7 @@
 2. OP's per-channel residual scales (LayerScale) fold into the writer before them, ``W <- diag(s) W``; scalar
    scales (OP's beta, the MLP's alpha, the embedding multiplier) commute with a rotation and stay.
 3. Fold every norm's gain (vector, or the single-scale RMSNorm's scalar) and LayerNorm bias into the linear layers
-   that read its output (``wq wk wv`` and a gate's ``wg``, ``w1 w3``, the head: ``W <- W diag(g)``,
+   that read its output (``wq wk wv`` and a variant's input readers, ``w1 w3``, the head: ``W <- W diag(g)``,
    ``b <- b + W beta``); the norms become gain-less RMSNorms. LayerNorm: when every read of the residual stream is
    a LayerNorm, subtract the mean from everything that writes into the stream (token and learned position
    embeddings, the outputs of ``wo`` and ``w2`` with their biases), so the stream is exactly zero-mean and every
@@ -171,11 +171,6 @@ def rotate(model: nn.Module, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     return rot, info
 
 
-def _gate(att: nn.Module) -> list[nn.Linear]:
-    """The gated attention variants' gate matrix ``wg``: it reads the block's normalised input, as wq / wk / wv do."""
-    return [att.wg] if getattr(att, "wg", None) is not None else []
-
-
 def _fold_branch_scales(blocks: list[nn.Module]) -> bool:
     """Folds OP's per-channel residual scales (LayerScale, ``residual_scale_mode = "vector"``) into the writer
     before them, ``W <- diag(s) W``, ``b <- s b``; scalar scales commute with a rotation and stay. True when one
@@ -214,7 +209,7 @@ def _rotate_stream(m: nn.Module, seed: int) -> str:
     embeds = [e for e in (m.tok_embeddings, m.pos_embeddings) if e is not None]
     writers = [lin for b in blocks for lin in (b.attention.wo, b.feed_forward.w2)]
     # (norm or None, the linears reading its output) for every read of the residual stream
-    reads = [(b.attention_norm, [b.attention.wq, b.attention.wk, b.attention.wv] + _gate(b.attention))
+    reads = [(b.attention_norm, [b.attention.wq, b.attention.wk, b.attention.wv] + b.attention.input_readers())
              for b in blocks]
     reads += [(b.ffn_norm, [lin for lin in (b.feed_forward.w1, b.feed_forward.w3) if lin is not None])
               for b in blocks]

@@ -639,7 +639,8 @@ def peak_bytes(fn, device: torch.device) -> int:
 
 def attention_step(variant: str, impl: str, batch: int, heads: int, seq_len: int, head_dim: int, dtype, device):
     """A closure running one forward + backward of ``variant``'s causal attention on fixed random inputs."""
-    from outlier_titan.models.attention import AttentionOptions, run_attention
+    from outlier_titan.models.attention import run_attention
+    from outlier_titan.models.attention_variants import AttentionOptions
 
     g = torch.Generator(device).manual_seed(seq_len)
     q, k, v = (torch.randn(batch, heads, seq_len, head_dim, generator=g, device=device, dtype=dtype)
@@ -648,7 +649,7 @@ def attention_step(variant: str, impl: str, batch: int, heads: int, seq_len: int
     opts = AttentionOptions(variant=variant, impl=impl)
 
     def step():
-        run_attention(q, k, v, opts, head_dim ** -0.5, sink=sink).float().square().sum().backward()
+        run_attention(q, k, v, opts, head_dim ** -0.5, state=sink).float().square().sum().backward()
     return step
 
 
@@ -668,11 +669,12 @@ def _attention_ops(step, device: torch.device) -> str:
 def run_attention_bench(args, command: str) -> list[dict]:
     """Per variant and sequence length: forward + backward time (median of interleaved reps), peak memory, the path
     and the operators the profiler saw, for each ``--impls`` entry; the ratio to softmax on the same path."""
-    from outlier_titan.models.attention import VARIANTS, attention_path
+    from outlier_titan.models.attention import attention_path
+    from outlier_titan.models.attention_variants import variants as registered
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    variants = args.variants.split(",") if args.variants else list(VARIANTS)
+    variants = args.variants.split(",") if args.variants else [v.name for v in registered()]
     if "softmax" not in variants:
         variants.insert(0, "softmax")
     impls = args.impls.split(",")

@@ -110,7 +110,7 @@ class ANGPTAttention(Attention):
     """(Wq, Wk, Wv) h * nu_qkv, RoPE, exact per-head L2 QK norm, per-head temperature g, Wo (.) * nu_p."""
 
     def __init__(self, args: ANGPTArgs, rope: RotaryEmbedding | None):
-        super().__init__(args.dim, args.n_heads, args.n_heads, bias=False, softmax=args.softmax, rope=rope)
+        super().__init__(args.dim, args.n_heads, args.n_heads, bias=False, variant=args.softmax, rope=rope)
         self.nu_qkv = math.sqrt(args.dim / self.head_dim)
         self.nu_p = math.sqrt(self.head_dim / args.dim)
         self.temperature = HeadScale(args.n_heads, 1, mult=1.0, stored_init=args.attn_scale_init)
@@ -119,7 +119,7 @@ class ANGPTAttention(Attention):
         q, k, v = self.project_qkv(x)
         q, k, v = q * self.nu_qkv, k * self.nu_qkv, v * self.nu_qkv
         q, k = self.temperature(l2norm(q)), l2norm(k)
-        return self.project_out(attention(q, k, v, self.softmax, scale=1.0, prob_hook=self.prob_hook)) * self.nu_p
+        return self.project_out(attention(q, k, v, self.variant, scale=1.0, prob_hook=self.prob_hook)) * self.nu_p
 
 
 class ANGPTMLP(nn.Module):

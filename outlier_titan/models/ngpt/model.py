@@ -223,13 +223,13 @@ class NGPTAttention(Attention):
     """q, k, v projections (no bias), RoPE, per-head L2 norm times s_qk, attention with scale sqrt(d_h)."""
 
     def __init__(self, args: NGPTArgs, rope: RotaryEmbedding | None):
-        super().__init__(args.dim, args.n_heads, args.n_heads, bias=False, softmax=args.softmax, rope=rope)
+        super().__init__(args.dim, args.n_heads, args.n_heads, bias=False, variant=args.softmax, rope=rope)
         self.sqk = HeadScale(args.n_heads, self.head_dim, mult=1.0 / args.param_scale, stored_init=args.param_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
         q, k = self.sqk(l2norm(q)), self.sqk(l2norm(k))
-        return self.project_out(attention(q, k, v, self.softmax, scale=self.head_dim ** 0.5,
+        return self.project_out(attention(q, k, v, self.variant, scale=self.head_dim ** 0.5,
                                           prob_hook=self.prob_hook))
 
 

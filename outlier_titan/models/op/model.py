@@ -57,8 +57,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from outlier_titan.config.manager import ConfigError
-from outlier_titan.models.attention import (GATED, AttentionArgs, block_options, resolve_variant,
+from outlier_titan.models.attention import (AttentionArgs, input_reading_variants, resolve_variant,
                                             validate_attention_args)
+from outlier_titan.models.attention_variants import block_options
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import MLP, Attention, LayerNorm, RotaryEmbedding, build_norm, init_norms
 from outlier_titan.models.op import OP_BLOCKS, OPOptions
@@ -116,8 +117,9 @@ class OPArgs(AttentionArgs, OPOptions):
         if self.mlp_alpha not in ("none", "analytic", "trainable"):
             raise ConfigError(f"model.mlp_alpha = {self.mlp_alpha!r} is not a mode")
         pre_norm = self.block in ("pre_ln", "pre_rms", "pre_srms")
-        validate_attention_args(self, "op", () if pre_norm else GATED,
-                                f"block {self.block!r} has no normalised attention input for the gate")
+        validate_attention_args(self, "op", () if pre_norm else input_reading_variants(),
+                                f"block {self.block!r} has no normalised attention input for the variant's "
+                                f"input projections")
 
     @property
     def beta(self) -> float:
@@ -261,10 +263,9 @@ class OPTransformer(nn.Module):
             init.normal(self.pos_embeddings.weight, std)
         for block in self.layers.values():
             att, ff = block.attention, block.feed_forward
-            for lin in (att.wq, att.wk, att.wv, att.wo, att.wg, ff.w1, ff.w3, ff.w2):
+            for lin in (att.wq, att.wk, att.wv, att.wo, *att.input_readers(), ff.w1, ff.w3, ff.w2):
                 init.linear(lin, std)
-            if att.sink is not None:
-                att.sink.init_weights(init)
+            att.init_variant(init)
             for m in (block.attn_scale, block.mlp_scale, block.mlp_input_scale):
                 if m is not None:
                     m.init_weights(init)

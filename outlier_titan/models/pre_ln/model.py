@@ -43,7 +43,8 @@ import torch
 import torch.nn as nn
 
 from outlier_titan.config.manager import ConfigError
-from outlier_titan.models.attention import AttentionArgs, block_options, resolve_variant, validate_attention_args
+from outlier_titan.models.attention import AttentionArgs, resolve_variant, validate_attention_args
+from outlier_titan.models.attention_variants import block_options
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import MLP, Attention, RotaryEmbedding, build_norm, init_norms
 from outlier_titan.models.pre_ln import PreLNOptions
@@ -187,10 +188,9 @@ class PreLNTransformer(nn.Module):
             init.normal(self.pos_embeddings.weight, a.init_std)
         for block in self.layers.values():
             att, ff = block.attention, block.feed_forward
-            for lin in (att.wq, att.wk, att.wv, att.wg, ff.w1, ff.w3):
+            for lin in (att.wq, att.wk, att.wv, *att.input_readers(), ff.w1, ff.w3):
                 init.linear(lin, a.init_std)
-            if att.sink is not None:
-                att.sink.init_weights(init)
+            att.init_variant(init)
             for lin in (att.wo, ff.w2):
                 init.linear(lin, a.init_std / (2 * a.n_layers) ** 0.5)
         init.linear(self.output, a.init_std)
