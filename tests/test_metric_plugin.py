@@ -97,3 +97,17 @@ def test_evaluator_results_and_analyze_read_the_toy_metric(toy, tmp_path, capsys
     assert analyze.main([str(point), "--out", str(tmp_path / "a.png"), "--profiles", NAME]) == 0
     assert f"| outliers/{NAME} | 3 (step 30) |" in capsys.readouterr().out
     assert analyze.layer_profile(analyze.read_run(point), NAME) == (30, [0, 1], [3.0, 6.0])
+
+
+def test_registration_errors_are_one_line():
+    from outlier_titan.errors import UserError
+
+    def finalize(s):
+        return {}
+    with pytest.raises(UserError, match="'massive_ratio' is already logged by metric 'massive'"):
+        metrics.register_metric("mine", "massive_ratio", "residual", dict, finalize, label="x")
+    with pytest.raises(UserError, match="mode must be 'full' for attention inputs"):
+        metrics.register_metric("mine", "mine", "attention", dict, finalize, label="x", mode="cheap")
+    with pytest.raises(UserError, match="unknown place or name 'other'"):
+        metrics.register_metric("mine", "mine", "residual", dict, finalize, label="x", shown={"report": ("other",)})
+    assert "mine" not in {m.key for m in metrics.registered()}

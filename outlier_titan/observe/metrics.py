@@ -155,7 +155,6 @@ class Evaluation:
     """``(model, token batches) -> {key: headline value, ...}``."""
     note: str
     """The evaluation markdown's sentence, with ``{value}`` for the headline value."""
-    lower_is_better: bool | None = True
 
     @property
     def column(self) -> str:
@@ -175,7 +174,7 @@ def register_metric(key: str, names, reads: str, sums: Callable, finalize: Calla
     """Adds a metric to the probe, the evaluator, sweep results and ``scripts/analyze.py`` (see :class:`Metric`);
     ``shown`` maps a place to names or ``(name, rank)`` pairs; ``mode`` defaults to ``cheap`` for the residual
     stream and ``full`` otherwise."""
-    _load_builtins()
+    _load_builtins()  # name clashes with the built-ins are found here, not at their import
     names = (names,) if isinstance(names, str) else tuple(names)
     mode = mode or ("cheap" if reads == "residual" else "full")
     if reads not in READS:
@@ -205,13 +204,12 @@ def unregister_metric(key: str) -> None:
     _REGISTRY.pop(key, None)
 
 
-def register_evaluation(key: str, measure: Callable, note: str, *, lower_is_better: bool | None = True,
-                        replace: bool = False) -> Evaluation:
+def register_evaluation(key: str, measure: Callable, note: str, *, replace: bool = False) -> Evaluation:
     """Adds a whole-model measure to ``scripts/evaluate.py``'s report and a sweep's results
     (:class:`Evaluation`)."""
     if key in _EVALUATIONS and not replace:
         raise UserError(f"evaluation {key!r} is already registered; pick another name or pass replace=True")
-    _EVALUATIONS[key] = Evaluation(key, measure, note, lower_is_better)
+    _EVALUATIONS[key] = Evaluation(key, measure, note)
     return _EVALUATIONS[key]
 
 
@@ -231,8 +229,8 @@ def _load_builtins() -> None:
 
 
 def registered() -> list[Metric]:
-    """Every metric: the built-ins, then the others, each in registration order (the order of each layer's keys
-    in metrics.jsonl)."""
+    """Every metric: the built-ins (by the module of their ``sums``, in :data:`_BUILTINS` order), then the others,
+    each in registration order (the order of each layer's keys in metrics.jsonl)."""
     _load_builtins()
     rank = {module: i for i, module in enumerate(_BUILTINS)}
     return sorted(_REGISTRY.values(), key=lambda m: rank.get(m.sums.__module__, len(rank)))

@@ -1,4 +1,4 @@
-"""Outlier-feature and attention-sink metrics of the three seed papers, as pure tensor functions.
+"""Outlier-feature and first-token attention metrics of the three seed papers: the formulas and their registration.
 
 Notation: a hidden state ``x`` is ``[..., D]`` (D = residual width, the "channels"/"neurons"); a residual
 stream of one layer is ``[B, T, D]``; attention probabilities are ``[B, H, T, T]`` (query i, key j, causal;
@@ -31,8 +31,7 @@ The attention-sink metrics of the field (sink rate, massive activations, residua
 heads) are defined in :mod:`outlier_titan.observe.sinks`.
 
 Each metric is registered (:mod:`outlier_titan.observe.metrics`) with its per-layer **sums**, which the
-distributed probe adds up over ranks, and its finalisation from them; the attention-sink metrics register in
-:mod:`outlier_titan.observe.sinks`. A direct form with a sums form is a call of the two on one shard; the others
+distributed probe adds up over ranks, and its finalisation from them. A direct form with a sums form is a call of the two on one shard; the others
 (per-token values, neuron-RMS kurtosis of a matrix) are the formulas the sums use. Maths that matters is done in
 float64.
 """
@@ -212,7 +211,6 @@ def _per_token_mean(sums_key: str, name: str, per_token):
 
     def finalize(s):
         return {name: float(s[sums_key]) / _n(s, "n_tok")} if _n(s, "n_tok") > 0 else {}
-    sums.__module__ = finalize.__module__ = __name__
     return sums, finalize
 
 
