@@ -157,3 +157,13 @@ def test_evaluation_report_and_collected_tables_show_the_new_metrics():
     for i, k in enumerate(names):
         assert f"| {k} | {0.25 + i:.4g} |" in text
         assert k in probe_metrics()  # sweep.py collect: final_<k> and peak_<k> columns
+
+
+def test_runs_that_logged_the_pooled_sink_rate_as_sink_rate_are_collected_under_its_name_now():
+    from outlier_titan.study.results import LEGACY_PROBE_NAMES, logged_key
+
+    assert LEGACY_PROBE_NAMES == {"sink_rate": "sink_rate_pooled"}
+    old = {10: {"outliers/sink_rate": 0.5}}
+    new = {10: {"outliers/sink_rate": 0.25, "outliers/sink_rate_pooled": 0.5}}
+    assert logged_key(old, "sink_rate") is None and logged_key(old, "sink_rate_pooled") == "sink_rate"
+    assert logged_key(new, "sink_rate") == "sink_rate" and logged_key(new, "sink_rate_pooled") == "sink_rate_pooled"
