@@ -125,25 +125,6 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
-PROBE_HEADLINE = (("kurtosis first/rest", "kurtosis_first", "kurtosis_rest"),
-                  ("max|act| first/rest", "max_abs_first", "max_abs_rest"),
-                  ("first-token share", "first_token_argmax_share", None),
-                  ("neuron-RMS kurtosis", "kurtosis_neuron_rms", None))
-
-
-def probe_headline(step: int, scalars: dict[str, float]) -> str:
-    """The probe's headline metrics (layer means) as one console line."""
-    parts = []
-    for label, a, b in PROBE_HEADLINE:
-        if f"outliers/{a}" not in scalars:
-            continue
-        value = f"{scalars[f'outliers/{a}']:.3g}"
-        if b is not None and f"outliers/{b}" in scalars:
-            value += f"/{scalars[f'outliers/{b}']:.3g}"
-        parts.append(f"{label} {value}")
-    return f"step {step:>6}  probe  " + "  ".join(parts) + f"  ({scalars['outliers/probe_seconds']:.2f}s)"
-
-
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -579,10 +560,12 @@ class Trainer:
         self.probe = OutlierProbe(self.model, cfg.observe, self.mesh)
 
     def _run_probe(self, step: int) -> None:
+        from outlier_titan.observe.metrics import headline
+
         t0 = time.perf_counter()
         scalars, images = self.probe.run(self.probe_tokens)
         scalars["outliers/probe_seconds"] = time.perf_counter() - t0
-        self.logger.log(step, scalars, images, console=probe_headline(step, scalars))
+        self.logger.log(step, scalars, images, console=headline(step, scalars))
         self.throughput.reset()
 
     def _preempt_now(self) -> str | bool:

@@ -1,4 +1,4 @@
-"""The field's attention-sink metrics (observe/outliers.py, the probe) on constructed attention maps and
+"""The field's attention-sink metrics (observe/sinks.py, the probe) on constructed attention maps and
 activations whose values are known by hand, through the reducible sums and the probe."""
 
 import pytest
@@ -8,7 +8,7 @@ import torch.nn as nn
 from outlier_titan.config.job_config import Model, Observe
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import model_args
-from outlier_titan.observe import outliers as om
+from outlier_titan.observe import metrics, sinks
 from outlier_titan.observe.probe import OutlierProbe
 
 F64 = torch.float64
@@ -25,15 +25,15 @@ def constructed_map(alphas, t=5, b=2):
 
 def test_sink_rate_by_hand_and_through_sums():
     p = constructed_map([1.0, 0.31, 0.29, 0.0])  # two heads above eps = 0.3
-    assert om.sink_rate(p).item() == 0.5
-    assert om.finalize_attention(om.attention_sums(p))["sink_rate"] == 0.5
+    assert sinks.SINK_RATE(p)["sink_rate"] == 0.5
+    assert metrics.measure("attention", p)["sink_rate"] == 0.5
     # pooled over two halves of the batch (two DP ranks): per-head means over all sequences
     q = constructed_map([0.2, 0.2, 0.2, 0.2])
-    both = om.add_sums(om.attention_sums(p), om.attention_sums(q))
+    both = metrics.add_sums(metrics.layer_sums("attention", p), metrics.layer_sums("attention", q))
     # per sequence (Gu et al.): 2 of 4 heads sink in p's 2 sequences, none in q's: 4 of 16 (sequence, head) pairs
-    assert om.finalize_attention(both)["sink_rate"] == 0.25
+    assert metrics.finalize_layer(both)["sink_rate"] == 0.25
     # pooled: per head (1 + 0.2) / 2 = 0.6 > 0.3; 0.255, 0.245, 0.1 not
-    assert om.finalize_attention(both)["sink_rate_pooled"] == 0.25
+    assert metrics.finalize_layer(both)["sink_rate_pooled"] == 0.25
 
 
 def _gu_sink_rate(maps: torch.Tensor, eps: float) -> float:
@@ -56,12 +56,11 @@ def test_sink_rate_equals_gu_et_als_per_sequence_computation_on_the_same_maps():
     scores[..., 0] += torch.randn(s, n_layers, h, 1, generator=g, dtype=F64) * 3  # key 0 strong in some sequences
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     maps = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-    per_layer = [om.finalize_attention(om.attention_sums(maps[:, l])) for l in range(n_layers)]
-    ours = om.layer_mean(per_layer)
-    ref = _gu_sink_rate(maps, om.SINK_EPS)
+    per_layer = [metrics.measure("attention", maps[:, l]) for l in range(n_layers)]
+    ours = metrics.layer_mean(per_layer)
+    ref = _gu_sink_rate(maps, sinks.SINK_EPS)
     assert ours["sink_rate"] == pytest.approx(ref, abs=1e-12)
     assert ours["sink_rate_pooled"] != pytest.approx(ref)  # the pooled form is another quantity on these maps
-    assert om.sink_rate(maps[:, 0]).item() == pytest.approx(per_layer[0]["sink_rate"], abs=1e-12)
 
 
 def test_sink_rate_heads_split_over_tp_ranks_are_laid_side_by_side():
@@ -73,28 +72,26 @@ def test_sink_rate_heads_split_over_tp_ranks_are_laid_side_by_side():
     total = None
     for rank in (0, 1):
         probe._tp_rank = rank
-        local = om.attention_sums(p[:, 2 * rank:2 * rank + 2])
-        total = om.add_sums(total, probe._global_heads(local, module, replicated=False))
-    got = om.finalize_attention(total)
-    ref = om.finalize_attention(om.attention_sums(p))
+        local = metrics.layer_sums("attention", p[:, 2 * rank:2 * rank + 2])
+        total = metrics.add_sums(total, {k: probe._global_heads(s, module, replicated=False) for k, s in local.items()})
+    got = metrics.finalize_layer(total)
+    ref = metrics.measure("attention", p)
     assert got["sink_rate"] == ref["sink_rate"] == 0.5
-    assert torch.equal(total["head_mass_first"], om.attention_sums(p)["head_mass_first"])
+    whole = metrics.layer_sums("attention", p)
+    assert torch.equal(total["sink_rate"]["head_mass_first"], whole["sink_rate"]["head_mass_first"])
 
 
 def test_massive_activations_and_residual_peak_by_hand():
     x = torch.ones(2, 3, 3, dtype=F64)
     x[0].view(-1)[7], x[0].view(-1)[8] = 2.0, -300.0  # sequence 0: median 1, max 300, one entry > 100 x median
     x[1] *= 2.0  # sequence 1: all equal, ratio 1, none massive
-    ratio, count = om.massive_activations(x)
-    assert ratio.item() == pytest.approx((300 + 1) / 2) and count.item() == 0.5
-    m = om.finalize_residual(om.residual_sums(x))
-    assert m["massive_ratio"] == pytest.approx(150.5) and m["massive_count"] == 0.5
+    m = sinks.MASSIVE(x)
+    assert m["massive_ratio"] == pytest.approx((300 + 1) / 2) and m["massive_count"] == 0.5
     # residual peak: token norms [10, 2, 2, 2] -> 5; second sequence [1, 1, 1, 1] -> 1
     y = torch.zeros(2, 4, 3, dtype=F64)
     y[0, 0, 0], y[0, 1:, 1] = 10.0, 2.0
     y[1, :, 2] = 1.0
-    assert om.first_token_norm_ratio(y).item() == pytest.approx(3.0)
-    assert om.finalize_residual(om.residual_sums(y))["residual_peak"] == pytest.approx(3.0)
+    assert sinks.RESIDUAL_PEAK(y)["residual_peak"] == pytest.approx(3.0)
 
 
 def test_value_drain_and_dormant_heads_by_hand():
@@ -106,12 +103,9 @@ def test_value_drain_and_dormant_heads_by_hand():
     out = torch.zeros(b, h, t, d, dtype=F64)
     out[:, :, 1:, 0] = torch.tensor([1.0, 1.0, 1.0, 0.01]).view(1, h, 1)
     out[:, 3, 0, 0] = 50.0  # the first token's output does not count
-    s = om.head_sums(out, v)
-    m = om.finalize_heads(s)
+    m = metrics.measure("heads", out, v)
     assert m["value_drain"] == pytest.approx(drain)
     assert m["dormant_head_share"] == 0.25  # 0.01 < 0.1 x mean(1, 1, 1, 0.01)
-    assert om.dormant_head_share(out).item() == 0.25
-    assert om.first_token_norm_ratio(v).item() == pytest.approx(drain)
 
 
 @pytest.mark.parametrize("variant", ["sigmoid", "sink_logit", "gated_head"])
@@ -138,14 +132,14 @@ def test_probe_reports_the_new_metrics_from_the_variants_own_weights(variant):
         assert (p.sum(-1) - 1).abs().max().item() > 0.1
     if variant == "sink_logit":  # the sink keeps part of each row
         assert (p.sum(-1) < 1).all()
-    assert scalars["outliers/layer_1/sink_rate"] == om.sink_rate(p).item()
-    o, v = outs[0]
-    assert scalars["outliers/layer_1/value_drain"] == pytest.approx(om.first_token_norm_ratio(v).item(), rel=1e-9)
-    assert scalars["outliers/layer_1/dormant_head_share"] == om.dormant_head_share(o).item()
-    ratio, count = om.massive_activations(res[0])
-    assert scalars["outliers/layer_1/massive_ratio"] == pytest.approx(ratio.item(), rel=1e-9)
-    assert scalars["outliers/layer_1/massive_count"] == count.item()
-    assert scalars["outliers/layer_1/residual_peak"] == pytest.approx(om.first_token_norm_ratio(res[0]).item(),
+    assert scalars["outliers/layer_1/sink_rate"] == sinks.SINK_RATE(p)["sink_rate"]
+    heads = metrics.measure("heads", *outs[0])
+    assert scalars["outliers/layer_1/value_drain"] == pytest.approx(heads["value_drain"], rel=1e-9)
+    assert scalars["outliers/layer_1/dormant_head_share"] == heads["dormant_head_share"]
+    massive = sinks.MASSIVE(res[0])
+    assert scalars["outliers/layer_1/massive_ratio"] == pytest.approx(massive["massive_ratio"], rel=1e-9)
+    assert scalars["outliers/layer_1/massive_count"] == massive["massive_count"]
+    assert scalars["outliers/layer_1/residual_peak"] == pytest.approx(sinks.RESIDUAL_PEAK(res[0])["residual_peak"],
                                                                         rel=1e-9)
     for k in ("sink_rate", "massive_ratio", "massive_count", "residual_peak", "value_drain", "dormant_head_share"):
         assert f"outliers/{k}" in scalars
@@ -154,7 +148,7 @@ def test_probe_reports_the_new_metrics_from_the_variants_own_weights(variant):
 
 def test_evaluation_report_and_collected_tables_show_the_new_metrics():
     from outlier_titan.eval.report import markdown
-    from outlier_titan.study.results import PROBE_METRICS
+    from outlier_titan.study.results import probe_metrics
 
     names = ("sink_rate", "massive_ratio", "massive_count", "residual_peak", "value_drain", "dormant_head_share")
     probe = {f"outliers/{k}": 0.25 + i for i, k in enumerate(names)}
@@ -162,4 +156,14 @@ def test_evaluation_report_and_collected_tables_show_the_new_metrics():
                      "probe": probe})
     for i, k in enumerate(names):
         assert f"| {k} | {0.25 + i:.4g} |" in text
-        assert k in PROBE_METRICS  # sweep.py collect: final_<k> and peak_<k> columns
+        assert k in probe_metrics()  # sweep.py collect: final_<k> and peak_<k> columns
+
+
+def test_runs_that_logged_the_pooled_sink_rate_as_sink_rate_are_collected_under_its_name_now():
+    from outlier_titan.study.results import LEGACY_PROBE_NAMES, logged_key
+
+    assert LEGACY_PROBE_NAMES == {"sink_rate": "sink_rate_pooled"}
+    old = {10: {"outliers/sink_rate": 0.5}}
+    new = {10: {"outliers/sink_rate": 0.25, "outliers/sink_rate_pooled": 0.5}}
+    assert logged_key(old, "sink_rate") is None and logged_key(old, "sink_rate_pooled") == "sink_rate"
+    assert logged_key(new, "sink_rate") == "sink_rate" and logged_key(new, "sink_rate_pooled") == "sink_rate_pooled"

@@ -1,4 +1,4 @@
-"""Known-answer tests of the outlier and attention-sink metrics (outlier_titan.observe.outliers)."""
+"""Known-answer tests of the outlier metrics (outlier_titan.observe.outliers) and their reducible sums."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from outlier_titan.models.layers import explicit_attention_probs
+from outlier_titan.observe import metrics
 from outlier_titan.observe import outliers as om
+from outlier_titan.observe.probe import _map_sums
 
 F64 = torch.float64
 
@@ -161,7 +163,7 @@ def test_all_mass_on_first_key():
     assert float(om.first_token_argmax_share(p)) == 1.0
     assert float(om.first_token_argmax_share(p, exclude_first_query=True)) == 1.0
     assert float(om.first_token_attention_mass(p)) == 1.0
-    s = om.finalize_attention(om.attention_sums(p))
+    s = metrics.measure("attention", p)
     assert s["first_token_argmax_share"] == 1.0 and s["first_token_attention_mass"] == 1.0
     assert "attention_sink_mass" not in s  # plain softmax has no sink: not reported
 
@@ -176,7 +178,7 @@ def test_uniform_causal_attention_expected_values():
     # the same through the model's own explicit-probability path (zero queries/keys = uniform causal)
     q = torch.zeros(2, 4, t, 8)
     probs = explicit_attention_probs(q, q, "softmax", 8 ** -0.5)
-    m = om.finalize_attention(om.attention_sums(probs))
+    m = metrics.measure("attention", probs)
     assert m["first_token_argmax_share"] == 1.0
     assert m["first_token_attention_mass"] == pytest.approx(harmonic / t, rel=1e-6)
     assert m["first_token_attention_mass_norm"] == pytest.approx(harmonic / t, rel=1e-6)
@@ -187,7 +189,7 @@ def test_softmax1_uniform_logits_mass_and_sink():
     # zero logits under softmax-1: query i sees i + 1 keys of weight 1 / (i + 2); the sink keeps 1 / (i + 2)
     t = 20
     q = torch.zeros(1, 2, t, 8)
-    m = om.finalize_attention(om.attention_sums(explicit_attention_probs(q, q, "softmax1", 1.0), sink=True))
+    m = metrics.measure("attention", explicit_attention_probs(q, q, "softmax1", 1.0), sink=True)
     assert m["first_token_attention_mass"] == pytest.approx(sum(1 / (i + 2) for i in range(t)) / t, rel=1e-6)
     assert m["first_token_attention_mass_norm"] == pytest.approx(sum(1 / (i + 1) for i in range(t)) / t, rel=1e-6)
     assert m["attention_sink_mass"] == pytest.approx(sum(1 / (i + 2) for i in range(t)) / t, rel=1e-6)
@@ -205,7 +207,7 @@ def test_attention_map_sum_is_corner_mean():
     t, k = 12, 5
     p = torch.softmax(torch.randn(2, 3, t, t, generator=gen(12)).masked_fill(
         ~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf")), -1)
-    s = om.attention_sums(p, map_size=k)
+    s = _map_sums(metrics.AttentionInput(p), k)
     assert s["map"].shape == (k, k)
     assert torch.allclose(s["map"] / s["n_maps"], p[:, :, :k, :k].mean((0, 1)).double(), atol=1e-7)
 
@@ -222,7 +224,7 @@ def planted_stream(seed: int, b=4, t=9, d=48) -> torch.Tensor:
 
 def test_finalize_residual_matches_direct_definitions():
     x = planted_stream(13)
-    m = om.finalize_residual(om.residual_sums(x, centred=True))
+    m = metrics.measure("residual", x)
     k = om.token_kurtosis(x)
     assert m["kurtosis_first"] == pytest.approx(float(k[:, 0].mean()), rel=1e-12)
     assert m["kurtosis_rest"] == pytest.approx(float(k[:, 1:].mean()), rel=1e-12)
@@ -241,14 +243,14 @@ def test_finalize_residual_matches_direct_definitions():
 
 def test_sums_of_a_split_batch_equal_the_whole():
     x = planted_stream(14, b=6)
-    whole = om.finalize_residual(om.residual_sums(x))
-    parts = om.add_sums(om.residual_sums(x[:2]), om.residual_sums(x[2:]))
-    split = om.finalize_residual(parts)
+    whole = metrics.measure("residual", x)
+    parts = metrics.add_sums(metrics.layer_sums("residual", x[:2]), metrics.layer_sums("residual", x[2:]))
+    split = metrics.finalize_layer(parts)
     assert whole.keys() == split.keys()
     for key in whole:
         assert split[key] == pytest.approx(whole[key], rel=1e-12), key
 
 
 def test_layer_mean():
-    assert om.layer_mean([{"a": 1.0, "b": 2.0}, {"a": 3.0}]) == {"a": 2.0}
-    assert om.layer_mean([]) == {}
+    assert metrics.layer_mean([{"a": 1.0, "b": 2.0}, {"a": 3.0}]) == {"a": 2.0}
+    assert metrics.layer_mean([]) == {}

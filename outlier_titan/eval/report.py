@@ -6,13 +6,7 @@ import math
 import statistics
 from typing import Any
 
-# Probe metrics shown in the markdown summary (all are in the JSON).
-SUMMARY_METRICS = (
-    "kurtosis_first", "kurtosis_rest", "kurtosis_neuron_rms", "max_abs_first", "max_abs_rest",
-    "max_median_ratio", "signal_prop_cos", "first_token_argmax_share", "first_token_attention_mass",
-    "residual_rms", "sink_rate", "sink_rate_pooled", "massive_ratio", "massive_count", "residual_peak", "value_drain",
-    "dormant_head_share",
-)
+from outlier_titan.observe import metrics as registry
 
 
 def scheme_entry(name: str, description: str, head: str, ppls: list[float], fp_ppl: float) -> dict[str, Any]:
@@ -32,7 +26,8 @@ def _fmt(x: float) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """Markdown: a header line, the PPL table (full precision first) and the probe-metric table."""
+    """Markdown: a header line, the PPL table (full precision first), the probe-metric table (the registered
+    metrics shown in reports) and the whole-model measures."""
     lines = [f"# Evaluation of `{report.get('checkpoint', '?')}`", "",
              f"{report['tokens']:,} validation tokens, sequence length {report['seq_len']}.", "",
              "| scheme | PPL | Δ PPL | LM head | description |", "|---|---|---|---|---|"]
@@ -49,12 +44,12 @@ def markdown(report: dict[str, Any]) -> str:
                       + ". ± is the spread over calibration seeds "
                       f"(GPTQ, static ranges) or rotation seeds (random signs)."]
     probe = report.get("probe") or {}
-    rows = [(k, probe[f"outliers/{k}"]) for k in SUMMARY_METRICS if f"outliers/{k}" in probe]
+    rows = [(k, probe[f"outliers/{k}"]) for k in registry.shown("report") if f"outliers/{k}" in probe]
     if rows:
         lines += ["", "| probe metric (mean over layers) | value |", "|---|---|"]
         lines += [f"| {k} | {v:.4g} |" for k, v in rows]
-    osp = (report.get("osp_kurtosis") or {}).get("osp_kurtosis")
-    if osp is not None:
-        lines += ["", f"Excess kurtosis as Park et al. 2025's script computes it (each probe token alone, every "
-                      f"hidden state; observe/osp_kurtosis.py): {osp:.4g}"]
+    for e in registry.evaluations():
+        value = (report.get(e.key) or {}).get(e.key)
+        if value is not None:
+            lines += ["", e.note.format(value=value)]
     return "\n".join(lines) + "\n"

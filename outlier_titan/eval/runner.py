@@ -16,7 +16,7 @@ from tqdm import tqdm
 from outlier_titan.config.job_config import Observe
 from outlier_titan.eval.perplexity import perplexity
 from outlier_titan.eval.report import scheme_entry
-from outlier_titan.observe.osp_kurtosis import osp_excess_kurtosis
+from outlier_titan.observe.metrics import evaluations
 from outlier_titan.observe.probe import OutlierProbe
 from outlier_titan.quant.ptq import SCHEMES, check_schemes, get_scheme, quantized
 
@@ -31,8 +31,9 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
 
     ``calib_batches(seed)`` gives the calibration token batches of static and GPTQ schemes; each such scheme, and
     each rotated scheme (its random signs), is run once per seed in ``calib_seeds`` and reported as mean ± std
-    (He et al. 2024's protocol uses 3 seeds). ``probe=False`` leaves out the probe metrics, Park et al.'s kurtosis
-    and the pictures (``scripts/evaluate.py --update`` keeps the existing report's).
+    (He et al. 2024's protocol uses 3 seeds). ``probe=False`` leaves out the probe metrics, the whole-model
+    measures (``observe.metrics.evaluations()``: Park et al.'s kurtosis) and the pictures
+    (``scripts/evaluate.py --update`` keeps the existing report's).
     """
     schemes = check_schemes(SCHEMES if schemes is None else schemes, "quantisation scheme(s)")
     model.eval()
@@ -67,6 +68,6 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
     }
     if probe:
         report["probe"] = probe_scalars
-        # Park et al. 2025's excess kurtosis as their released script computes it (each probe token alone)
-        report["osp_kurtosis"] = osp_excess_kurtosis(model, [t.to(device) for t in probe_tokens])
+        for e in evaluations():
+            report[e.key] = e.measure(model, [t.to(device) for t in probe_tokens])
     return report, images

@@ -4,7 +4,7 @@ and in which channels; over a run's checkpoints, when they appear and whether th
 An entry ``x[b, t, c]`` of a block's output (the residual stream, where the probe measures) is *large* when
 ``|x|`` exceeds ``factor`` times the median ``|x|`` of its sequence at that block: Sun et al. 2024's rule for
 massive activations (arXiv 2402.17762), the same as the probe's ``massive_count``
-(:data:`outlier_titan.observe.outliers.MASSIVE_FACTOR` = 100 by default).
+(:data:`outlier_titan.observe.sinks.MASSIVE_FACTOR` = 100 by default).
 
 Per block the anatomy counts the large entries and attributes them: the share at position 0, per channel (the
 channels that carry them: He et al. 2024's outlier features are channels), per token id at positions > 0 (which
@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from outlier_titan.observe.hooks import measuring
-from outlier_titan.observe.outliers import MASSIVE_FACTOR, massive_mask
+from outlier_titan.observe.sinks import MASSIVE_FACTOR, massive_mask
 
 
 @dataclass

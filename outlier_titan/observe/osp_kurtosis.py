@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from outlier_titan.observe.hooks import measuring
+from outlier_titan.observe.metrics import register_evaluation
 
 F64 = torch.float64
 
@@ -70,3 +71,8 @@ def osp_excess_kurtosis(model: nn.Module, sequences: Iterable[torch.Tensor]) -> 
     out = {"osp_kurtosis": float(table.mean())}
     out.update({f"osp_kurtosis_layer_{i}": float(v) for i, v in enumerate(table.mean(0))})
     return out
+
+
+register_evaluation("osp_kurtosis", osp_excess_kurtosis,
+                    "Excess kurtosis as Park et al. 2025's script computes it (each probe token alone, every hidden "
+                    "state; observe/osp_kurtosis.py): {value:.4g}")

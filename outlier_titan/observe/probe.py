@@ -10,19 +10,19 @@ Measurement points: the residual stream at the output of every block (``model.la
 unembedding input). In ``full`` mode every :class:`~outlier_titan.models.layers.Attention` also gets a
 ``prob_hook`` for that forward, so its probabilities are computed explicitly (softmax-1 included).
 
-Each hook reduces its tensor to float64 sums at once (:mod:`outlier_titan.observe.outliers`), so no
-activations are kept. All sums go into one vector, which is all-reduced over the data-parallel dims and
+Each hook reduces its tensor to the float64 sums of every registered metric that reads it
+(:mod:`outlier_titan.observe.metrics`; the probe mode and ``[observe]`` options select them), so no activations are
+kept. All sums go into one vector, which is all-reduced over the data-parallel dims and
 the tensor-parallel dim, then copied to the host once. Under TP the residual stream is gathered
 (``full_tensor()``, sequence parallel included) and is then the same on every TP rank, so only TP rank 0
 contributes it; attention heads are local to a TP rank, so their sums add up over TP.
 
-The attention-sink metrics of the field (sink rate, massive activations, residual peak, value drain, dormant
-heads; definitions in :mod:`outlier_titan.observe.outliers`) come from the same hooks; value drain and dormant
-heads from each Attention's ``head_hook`` (per-head outputs and value states). Per-head vectors (``head_*``
-sums) are laid out at their global head positions before the TP all-reduce.
+Metrics reading the residual stream get every block's output and the pre-head input; those reading attention
+weights each Attention's ``prob_hook``, those reading per-head outputs and value states its ``head_hook``. Per-head
+vectors (``head_*`` sums) are laid out at their global head positions before the TP all-reduce.
 
-Scalars (identical on all ranks): ``outliers/layer_<i>/<metric>`` per block, ``outliers/head_input/<metric>``
-for the pre-head input, and ``outliers/<metric>`` = the mean over blocks (the papers' "averaged across
+Scalars (identical on all ranks): ``outliers/layer_<i>/<name>`` per block, ``outliers/head_input/<name>``
+for the pre-head input (residual metrics), and ``outliers/<name>`` = the mean over blocks (the papers' "averaged across
 layers"; the head input is not in the mean). Images (full mode, global rank 0 only): ``outliers/attention_map``
 and ``outliers/hidden_magnitude``, labelled HWC uint8 pictures (:mod:`outlier_titan.observe.pictures`).
 """
@@ -40,6 +40,8 @@ from torch.distributed.tensor import DTensor, Shard
 from outlier_titan.config.job_config import Observe
 from outlier_titan.models.attention_variants import get_variant
 from outlier_titan.models.layers import Attention
+from outlier_titan.observe import metrics
+from outlier_titan.observe.metrics import F64
 from outlier_titan.observe import outliers as om
 from outlier_titan.observe.pictures import attention_map_image, hidden_magnitude_image
 
@@ -54,6 +56,7 @@ class OutlierProbe:
         self.cfg = cfg if cfg is not None else Observe()
         self.mesh = mesh
         self.full = self.cfg.mode == "full"
+        self.metrics = {reads: metrics.active(self.cfg, reads) for reads in metrics.READS}
         self.layer_names = list(model.layers.keys())
         self.attention: dict[str, list[Attention]] = {
             name: [m for m in block.modules() if isinstance(m, Attention)] for name, block in model.layers.items()}
@@ -78,46 +81,54 @@ class OutlierProbe:
 
     @torch.no_grad()
     def local_sums(self, tokens: torch.Tensor) -> dict:
-        """One forward with hooks; this rank's float64 sums: {"res": {layer: sums}, "head": sums,
-        "attn": {layer: sums}, "heads": {layer: sums}, "rep": {"res": bool, "attn": bool}} (rep: replicated
-        over TP; "heads": value drain and dormant heads from the per-head outputs)."""
+        """One forward with hooks; this rank's float64 sums: {"res": {layer: {metric: sums}}, "head": {metric:
+        sums}, "attn": {layer: {metric: sums}}, "rep": {"res": bool, "attn": bool}} (rep: replicated over TP;
+        "attn" holds the attention and per-head metrics; keys starting with "_" are the pictures' sums)."""
         res: dict[str, dict] = {}
         attn: dict[str, dict] = {}
-        heads: dict[str, dict] = {}
         head: dict = {}
         rep = {"res": False, "attn": False}
-        centred = bool(self.cfg.kurtosis_centered)
         map_size = max(0, int(self.cfg.map_tokens)) if self.full else 0
-
         seq_len = tokens.shape[1]
+
+        def residual(output) -> dict:
+            x, r = self._full_residual(output, seq_len)
+            rep["res"] |= r
+            inp = metrics.ResidualInput(x)
+            sums = {m.key: m.sums(inp) for m in self.metrics["residual"]}
+            if self.full:
+                sums["_hidden"] = om.channel_sq(inp)
+            return sums
 
         def block_hook(name):
             def hook(_module, _inputs, output):
-                x = output[0] if isinstance(output, (tuple, list)) else output
-                x, r = self._full_residual(x, seq_len)
-                rep["res"] |= r
-                res[name] = om.residual_sums(x, centred)
+                res[name] = residual(output[0] if isinstance(output, (tuple, list)) else output)
             return torch.compiler.disable(hook)
 
         def head_hook(_module, _inputs, output):
-            x, r = self._full_residual(output, seq_len)
-            rep["res"] |= r
-            head.update(om.residual_sums(x, centred))
+            head.update(residual(output))
+
+        def add_attn(name, module, sums, r):
+            rep["attn"] |= r
+            layer = attn.setdefault(name, {})
+            for key, s in sums.items():
+                layer[key] = metrics.add_sums(layer.get(key), self._global_heads(s, module, r))
 
         def prob_hook(name, module):
             def hook(probs):
                 p, r = self._probs(probs, module)
-                rep["attn"] |= r
-                sums = om.attention_sums(p, map_size, sink=get_variant(module.variant).with_sink)
-                attn[name] = om.add_sums(attn.get(name), self._global_heads(sums, module, r))
+                inp = metrics.AttentionInput(p, sink=get_variant(module.variant).with_sink)
+                sums = {m.key: m.sums(inp) for m in self.metrics["attention"]}
+                if map_size > 0:
+                    sums["_map"] = _map_sums(inp, map_size)
+                add_attn(name, module, sums, r)
             return torch.compiler.disable(hook)
 
         def heads_hook(name, module):
             def hook(out, v):
+                inp = metrics.HeadsInput(out, v)
                 r = self._tp_mesh is not None and out.shape[1] == self._n_heads(module)
-                rep["attn"] |= r
-                sums = self._global_heads(om.head_sums(out, v), module, r)
-                heads[name] = om.add_sums(heads.get(name), sums)
+                add_attn(name, module, {m.key: m.sums(inp) for m in self.metrics["heads"]}, r)
             return torch.compiler.disable(hook)
 
         handles = [self.model.layers[n].register_forward_hook(block_hook(n)) for n in self.layer_names]
@@ -137,44 +148,34 @@ class OutlierProbe:
             for m in hooked:
                 m.prob_hook = None
                 m.head_hook = None
-        return {"res": res, "head": head, "attn": attn, "heads": heads, "rep": rep}
+        return {"res": res, "head": head, "attn": attn, "rep": rep}
 
     def reduce(self, sums: dict) -> dict:
         """Adds the sums over all ranks (DP dims and TP) with one flat all-reduce per mesh dim; host copy."""
-        entries = []  # (section, layer, key, tensor)
-        for name in self.layer_names:
-            for k, v in sums["res"].get(name, {}).items():
-                entries.append(("res", name, k, v))
-        for k, v in sums["head"].items():
-            entries.append(("head", None, k, v))
-        for sec in ("attn", "heads"):
-            for name in self.layer_names:
-                for k, v in sums.get(sec, {}).get(name, {}).items():
-                    entries.append((sec, name, k, v))
+        entries = []  # (section, layer, metric, key, tensor)
+        for sec in ("res", "head", "attn"):
+            layers = {None: sums[sec]} if sec == "head" else {n: sums[sec].get(n, {}) for n in self.layer_names}
+            for name, per_metric in layers.items():
+                for metric, s in per_metric.items():
+                    entries += [(sec, name, metric, k, v) for k, v in s.items()]
         if not entries:
             return sums
-        zero_res = self._tp_rank != 0 and sums["rep"]["res"]
-        zero_attn = self._tp_rank != 0 and sums["rep"]["attn"]
+        zero = {"res": sums["rep"]["res"], "head": sums["rep"]["res"], "attn": sums["rep"]["attn"]}
         parts = []
-        for sec, _, _, v in entries:
+        for sec, _, _, _, v in entries:
             v = v.to(torch.float64).reshape(-1)
-            if (zero_res and sec in ("res", "head")) or (zero_attn and sec in ("attn", "heads")):
-                v = torch.zeros_like(v)
-            parts.append(v)
+            parts.append(torch.zeros_like(v) if self._tp_rank != 0 and zero[sec] else v)
         flat = torch.cat(parts)
         for group in self._dp_groups + ([self._tp_group] if self._tp_group is not None else []):
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         flat = flat.cpu()
-        out = {"res": {}, "head": {}, "attn": {}, "heads": {}, "rep": sums["rep"]}
+        out = {"res": {}, "head": {}, "attn": {}, "rep": sums["rep"]}
         offset = 0
-        for sec, name, k, v in entries:
+        for sec, name, metric, k, v in entries:
             n = v.numel()
-            t = flat[offset:offset + n].reshape(v.shape)
+            target = out["head"] if sec == "head" else out[sec].setdefault(name, {})
+            target.setdefault(metric, {})[k] = flat[offset:offset + n].reshape(v.shape)
             offset += n
-            if sec == "head":
-                out["head"][k] = t
-            else:
-                out[sec].setdefault(name, {})[k] = t
         return out
 
     def finalize(self, sums: dict) -> tuple[dict[str, float], dict[str, np.ndarray]]:
@@ -182,18 +183,13 @@ class OutlierProbe:
         scalars: dict[str, float] = {}
         per_layer = []
         for name in self.layer_names:
-            m = om.finalize_residual(sums["res"][name]) if name in sums["res"] else {}
-            if name in sums["attn"]:
-                m.update(om.finalize_attention(sums["attn"][name]))
-            if name in sums.get("heads", {}):
-                m.update(om.finalize_heads(sums["heads"][name]))
+            m = metrics.finalize_layer({**sums["res"].get(name, {}), **sums["attn"].get(name, {})})
             per_layer.append(m)
             for k, v in m.items():
                 scalars[f"{PREFIX}/layer_{name}/{k}"] = v
-        if sums["head"]:
-            for k, v in om.finalize_residual(sums["head"]).items():
-                scalars[f"{PREFIX}/head_input/{k}"] = v
-        for k, v in om.layer_mean(per_layer).items():
+        for k, v in metrics.finalize_layer(sums["head"]).items():
+            scalars[f"{PREFIX}/head_input/{k}"] = v
+        for k, v in metrics.layer_mean(per_layer).items():
             scalars[f"{PREFIX}/{k}"] = v
         images: dict[str, np.ndarray] = {}
         if self.full and (not dist.is_initialized() or dist.get_rank() == 0):  # only rank 0 logs pictures
@@ -233,9 +229,9 @@ class OutlierProbe:
         return module.wq.weight.shape[0] // module.head_dim  # DTensor weights report global shapes
 
     def _global_heads(self, sums: dict, module: Attention, replicated: bool) -> dict:
-        """Per-head [H_local] vectors (keys ``head_*``) placed at this TP rank's heads of a zero [H] vector, so
-        that the TP all-reduce lays the heads side by side (ColwiseParallel gives each rank a contiguous block
-        of heads); unchanged without TP or when all heads are here."""
+        """One metric's per-head [H_local] vectors (keys ``head_*``) placed at this TP rank's heads of a zero [H]
+        vector, so that the TP all-reduce lays the heads side by side (ColwiseParallel gives each rank a contiguous
+        block of heads); unchanged without TP or when all heads are here."""
         if self._tp_mesh is None or replicated:
             return sums
         n = self._n_heads(module)
@@ -250,13 +246,13 @@ class OutlierProbe:
 
     def _images(self, sums: dict) -> dict[str, np.ndarray]:
         images = {}
-        maps = [s for s in sums["attn"].values() if "map" in s]
+        maps = [s["_map"] for s in sums["attn"].values() if "_map" in s]
         if maps:
             total = sum(s["map"] for s in maps)
             count = sum(float(s["n_maps"]) for s in maps)
             if count > 0:
                 images[f"{PREFIX}/attention_map"] = attention_map_image((total / count).numpy())
-        layers = [sums["res"][n] for n in self.layer_names if n in sums["res"]]
+        layers = [sums["res"][n]["_hidden"] for n in self.layer_names if "_hidden" in sums["res"].get(n, {})]
         if layers and all(float(s["n_rest"]) > 0 for s in layers):
             first = np.stack([(s["sq_first"] / s["n_seq"]).sqrt().numpy() for s in layers])
             rest = np.stack([(s["sq_rest"] / s["n_rest"]).sqrt().numpy() for s in layers])
@@ -267,13 +263,9 @@ class OutlierProbe:
     def _add(acc: dict | None, new: dict) -> dict:
         if acc is None:
             return new
-        out = {"res": {}, "attn": {}, "heads": {}, "rep": {k: acc["rep"][k] or new["rep"][k] for k in acc["rep"]}}
-        for sec in ("res", "attn", "heads"):
-            for name in set(acc[sec]) | set(new[sec]):
-                out[sec][name] = om.add_sums(acc[sec].get(name), new[sec][name]) if name in new[sec] \
-                    else acc[sec][name]
-        out["head"] = om.add_sums(acc["head"] or None, new["head"]) if new["head"] else acc["head"]
-        return out
+        rep = {k: acc["rep"][k] or new["rep"][k] for k in acc["rep"]}
+        return {**metrics.add_sums({k: acc[k] for k in ("res", "head", "attn")},
+                                   {k: new[k] for k in ("res", "head", "attn")}), "rep": rep}
 
     @staticmethod
     def _groups(mesh):
@@ -289,3 +281,11 @@ class OutlierProbe:
         if "tp" in names and mesh["tp"].size() > 1:
             tp_group, tp_rank = mesh["tp"].get_group(), mesh["tp"].get_local_rank()
         return dp_groups, tp_group, tp_rank
+
+
+def _map_sums(a: metrics.AttentionInput, size: int) -> dict[str, torch.Tensor]:
+    """The sum over batch and heads of the top-left ``size`` x ``size`` corner of the weights and its count (exact
+    for causal maps: the first k queries only see the first k keys)."""
+    b, h, t, _ = a.probs.shape
+    k = min(size, t)
+    return {"map": a.p[:, :, :k, :k].sum((0, 1), dtype=F64), "n_maps": a.p0.new_full((), float(b * h))}

@@ -4,10 +4,11 @@ Column contract of the collected table (``SWEEP_DIR/results.csv``, ``.md``, ``.p
 ``point``, ``status``, one column per axis named by its dotted key (``model.dim``, ``tokens_per_param``,
 ``seed``, ...; ``seed`` always), ``params``, ``flops_per_token``, ``tokens``, ``flops``, ``final_val_loss``,
 ``best_val_loss``, ``final_train_loss``, ``wall_s``, ``tokens_per_s``; when the probe ran, ``final_<metric>``
-and ``peak_<metric>`` (maximum over probe steps) for each metric of :data:`PROBE_METRICS`; when
+and ``peak_<metric>`` (maximum over probe steps) for each metric of :func:`probe_metrics`; when
 ``scripts/evaluate.py`` ran on the point (``<run>/eval/step-<N>.json``, newest step), ``ptq_delta_ppl_<scheme>``
 and, for schemes calibrated at several seeds, ``ptq_calib_sd_<scheme>`` (the sd of the PPL over calibration seeds),
-and ``eval_osp_kurtosis`` (Park et al. 2025's excess kurtosis of the evaluation's probe sequences).
+and ``eval_<key>`` for each whole-model measure of the evaluation (``eval_osp_kurtosis``: Park et al. 2025's excess
+kurtosis of the evaluation's probe sequences).
 Every point of the manifest is one row, in manifest order; missing values are empty.
 """
 
@@ -19,21 +20,28 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from outlier_titan.observe import metrics as registry
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.study.groups import num
 from outlier_titan.study.plan import fmt_count, point_dir
 from outlier_titan.study.runner import point_status
 
-# Probe metrics (``outliers/<name>`` in metrics.jsonl, the mean over blocks) collected as final_/peak_ columns.
-PROBE_METRICS = ("kurtosis_first", "kurtosis_rest", "kurtosis_neuron_rms", "max_abs_first", "max_abs_rest",
-                 "first_token_argmax_share", "first_token_attention_mass",
-                 # attention-sink metrics of the field (docs/attention.md)
-                 "sink_rate", "sink_rate_pooled", "massive_ratio", "massive_count", "residual_peak", "value_drain",
-                 "dormant_head_share")
-LEGACY_PROBE_NAMES = {"sink_rate": "sink_rate_pooled"}
-"""Probe metrics whose definition changed: a run that logged the old name and not the new one logged the old
-definition (until 2026-11-28 ``sink_rate`` was the pooled form, thresholded after averaging over sequences), so
-its values are collected under the name that definition has now."""
+
+def probe_metrics() -> tuple[str, ...]:
+    """Probe metrics (``outliers/<name>`` in metrics.jsonl, the mean over blocks) collected as final_/peak_ columns:
+    the registered ones shown in results (:mod:`outlier_titan.observe.metrics`)."""
+    return registry.shown("collect")
+
+
+def __getattr__(name: str):
+    # the registry grows when plug-ins load, so these are read when asked for, not at import
+    if name == "PROBE_METRICS":
+        return probe_metrics()
+    if name == "LEGACY_PROBE_NAMES":
+        return registry.legacy_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 BASE_COLUMNS = ("params", "flops_per_token", "tokens", "flops", "final_val_loss", "best_val_loss",
                 "final_train_loss", "wall_s", "tokens_per_s")
 
@@ -58,12 +66,13 @@ def status_lines(sweep_dir: Path, manifest: dict[str, Any]) -> list[str]:
 def logged_key(records: dict[int, dict], metric: str) -> str | None:
     """The name under which a run's ``metrics.jsonl`` logged ``metric`` as it is defined now (``outliers/<name>``,
     ``outliers/layer_<i>/<name>``), or None where the run logged only an older definition of it
-    (:data:`LEGACY_PROBE_NAMES`)."""
-    legacy = {old for old, new in LEGACY_PROBE_NAMES.items()
-              if not any(f"outliers/{new}" in r for r in records.values())}
+    (the registered metrics' ``legacy`` names: a run that logged the old name and not the new one logged the old
+    definition, so its values are collected under the name that definition has now)."""
+    names = registry.legacy_names()
+    legacy = {old for old, new in names.items() if not any(f"outliers/{new}" in r for r in records.values())}
     if metric in legacy:
         return None
-    return next((old for old, new in LEGACY_PROBE_NAMES.items() if new == metric and old in legacy), metric)
+    return next((old for old, new in names.items() if new == metric and old in legacy), metric)
 
 
 def point_row(sweep_dir: Path, entry: dict[str, Any], axes: list[str]) -> dict[str, Any]:
@@ -90,7 +99,7 @@ def point_row(sweep_dir: Path, entry: dict[str, Any], axes: list[str]) -> dict[s
     row["final_train_loss"] = train[-1][1] if train else None
     row["wall_s"] = round(st["wall_s"], 2) if st["wall_s"] else None
     row["tokens_per_s"] = statistics.median(tps) if tps else None
-    for m in PROBE_METRICS:
+    for m in probe_metrics():
         key = logged_key(records, m)
         if key is None:
             continue
@@ -100,9 +109,10 @@ def point_row(sweep_dir: Path, entry: dict[str, Any], axes: list[str]) -> dict[s
             row[f"final_{m}"] = series[-1]
             row[f"peak_{m}"] = max(series)
     report = _newest_eval(folder)
-    osp = (report or {}).get("osp_kurtosis", {})
-    if num(osp.get("osp_kurtosis")) is not None:  # Park et al. 2025's measure (observe/osp_kurtosis.py)
-        row["eval_osp_kurtosis"] = num(osp["osp_kurtosis"])
+    for e in registry.evaluations():
+        value = num(((report or {}).get(e.key) or {}).get(e.key))
+        if value is not None:
+            row[e.column] = value
     if report is not None:  # the code that evaluated the point ("" for a report made before reports recorded it)
         row["eval_code"] = report.get("code") or ""
         row["eval_versions"] = (f"Python {report['python']}, torch {report['torch']}" if report.get("python")
@@ -140,9 +150,9 @@ def collect(sweep_dir: str | Path, manifest: dict[str, Any]) -> tuple[list[str],
     columns = ["point", "status", *axes, *([] if "seed" in axes else ["seed"]), *BASE_COLUMNS]
     extra = []
     for prefix in ("final_", "peak_"):
-        extra += [f"{prefix}{m}" for m in PROBE_METRICS if any(f"{prefix}{m}" in r for r in rows)]
+        extra += [f"{prefix}{m}" for m in probe_metrics() if any(f"{prefix}{m}" in r for r in rows)]
     ptq = sorted({k for r in rows for k in r if k.startswith("ptq_delta_ppl_")})
-    extra += ["eval_osp_kurtosis"] if any("eval_osp_kurtosis" in r for r in rows) else []
+    extra += [e.column for e in registry.evaluations() if any(e.column in r for r in rows)]
     return columns + extra + ptq, rows
 
 

@@ -30,19 +30,11 @@ from matplotlib.ticker import LogFormatter  # noqa: E402
 
 from outlier_titan import cli  # noqa: E402
 from outlier_titan.config.manager import tomllib  # noqa: E402
+from outlier_titan.observe import metrics as registry  # noqa: E402
 from outlier_titan.observe.logger import read_metrics  # noqa: E402
 from outlier_titan.plugins import take_plugins
 from outlier_titan.study.groups import seed_band  # noqa: E402
 
-DEFAULT_METRICS = ("kurtosis_first", "kurtosis_rest", "kurtosis_neuron_rms", "max_abs_first", "max_abs_rest",
-                   "max_median_ratio", "signal_prop_cos", "first_token_argmax_share",
-                   "first_token_attention_mass", "residual_rms")
-DEFAULT_PROFILES = ("residual_rms", "kurtosis_neuron_rms")
-# The direction in which a metric is better, by the start of its name (after outliers/, head_input/, layer_<i>/):
-# outlier features and attention sinks are what the project's remedies reduce.
-LOWER_IS_BETTER = ("loss", "val_loss", "kurtosis", "max_abs", "max_median", "massive", "signal_prop", "first_token",
-                   "sink_rate", "residual", "norm_ratio", "dormant_head")
-HIGHER_IS_BETTER = ("attention_entropy",)
 LAYER_RE = re.compile(r"^outliers/layer_(\d+)/(.+)$")
 
 
@@ -79,11 +71,11 @@ def layer_profile(records: dict[int, dict], metric: str) -> tuple[int | None, li
 
 
 def better(metric: str) -> str:
-    """``'lower is better'``, ``'higher is better'`` or ``''`` (no direction) for a metric name."""
+    """``'lower is better'``, ``'higher is better'`` or ``''`` (no direction) for a metric name (the loss, or a
+    registered probe metric's, after ``outliers/``, ``head_input/``, ``layer_<i>/``)."""
     name = metric.rsplit("/", 1)[-1]
-    if name.startswith(LOWER_IS_BETTER):
-        return "lower is better"
-    return "higher is better" if name.startswith(HIGHER_IS_BETTER) else ""
+    lower = True if name in ("loss", "val_loss") else registry.direction(name)
+    return "" if lower is None else "lower is better" if lower else "higher is better"
 
 
 def log_axis(values) -> bool:
@@ -216,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     p = cli.parser(__doc__, plugins=True)
     p.add_argument("runs", nargs="+", type=Path, help="run folders (each with metrics.jsonl)")
     p.add_argument("--out", type=Path, required=True, help="PNG to write")
-    p.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
+    p.add_argument("--metrics", default=",".join(registry.shown("plot")),
                    help="comma-separated outlier metrics (names after 'outliers/')")
-    p.add_argument("--profiles", default=",".join(DEFAULT_PROFILES),
+    p.add_argument("--profiles", default=",".join(registry.shown("profile")),
                    help="comma-separated metrics shown per layer at the last probe step ('' for none)")
     args = p.parse_args(argv)
     groups = group_runs(args.runs)

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from outlier_titan.data import build_dataloader
     from outlier_titan.eval.perplexity import take_batches, validation_budget
     from outlier_titan.observe.anatomy import markdown, residual_anatomy
-    from outlier_titan.observe.outliers import MASSIVE_FACTOR
+    from outlier_titan.observe.sinks import MASSIVE_FACTOR
 
     for flag in ("tokens", "batch_size", "top_k"):
         if getattr(args, flag) < 1:
