@@ -7,20 +7,15 @@ load -> config record -> steps. A failed start removes the run folder it created
 
 from __future__ import annotations
 
-import datetime
-import math
 import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 import outlier_titan.components  # noqa: F401  (the built-ins registered before any config is read)
 from outlier_titan import preempt
@@ -31,101 +26,28 @@ from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import to_toml
 from outlier_titan.data import build_dataloader, build_tokenizer
 from outlier_titan.data.sources import tokenizer_mismatch
-from outlier_titan.errors import ConfigError, DivergedError
 from outlier_titan.eval.perplexity import validation_budget
 from outlier_titan.hf.load import apply_initial_model, load_model_state
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import build_meta_model, count_params, flops_per_token
-from outlier_titan.models.roles import roles_of
-from outlier_titan.observe.logger import MetricsLogger, Throughput, peak_memory_gib
+from outlier_titan.observe.logger import MetricsLogger, Throughput
 from outlier_titan.optim.builder import (after_build, build_optimizer, check_optimizer_layout, checked_optimizer,
                                         config_owned_hyperparameters)
 from outlier_titan.optim.lr_schedule import build_lr_scheduler
 from outlier_titan.parallel.dims import ParallelDims, device_type_for, init_distributed
 from outlier_titan.parallel.grads import clip_grads, grad_norm, param_norm
 from outlier_titan.parallel.parallelize import parallelize
-from outlier_titan.training.divergence import Health
+from outlier_titan.training.console import RunConsole, perplexity
+from outlier_titan.training.divergence import DivergenceGuard, Health
+from outlier_titan.training.step import (TrainState, batch_layout, cross_entropy_sum, loss_context, probe_layout,
+                                         replicated_value)
 
 
 
-class TrainState:
-    """Step counter, skipped-step counts and RNG, checkpointed with the run."""
+class Trainer(RunConsole, DivergenceGuard):
+    """The set-up (module docstring) and the step loop; the console lines and the divergence guard are its parts in
+    ``outlier_titan.training``."""
 
-    def __init__(self):
-        self.step = 0
-        self.skipped_steps = 0
-        self.unhealthy_steps = 0  # consecutive skipped or diverged steps; not checkpointed: none is saved after one
-        self.unhealthy_since = 0  # the first of them
-
-    def state_dict(self):
-        return {"step": self.step, "skipped_steps": self.skipped_steps, "rng": torch.get_rng_state()}
-
-    def load_state_dict(self, state):
-        self.step = int(state["step"])
-        self.skipped_steps = int(state["skipped_steps"])
-        torch.set_rng_state(state["rng"])
-
-
-def loss_context(logits: torch.Tensor):
-    """``loss_parallel`` when the logits are vocab-sharded over TP (the cross entropy then reduces across the
-    TP ranks instead of gathering [B, T, V]); a no-op otherwise."""
-    if isinstance(logits, DTensor):
-        return loss_parallel()
-    return nullcontext()
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross entropy summed over tokens, in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
-
-
-def replicated_value(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor of a scalar that may be a (replicated) DTensor from the parallel loss."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def batch_layout(cfg: JobConfig, dp: int) -> tuple[int, int, int]:
-    """(local batch, micro batch, accumulation steps) per DP rank, validated."""
-    t = cfg.training
-    if t.global_batch_size % dp:
-        raise ConfigError(f"training.global_batch_size = {t.global_batch_size} is not divisible by the "
-                          f"data-parallel degree {dp}")
-    local = t.global_batch_size // dp
-    micro = t.micro_batch_size or local
-    if local % micro:
-        raise ConfigError(f"training.micro_batch_size = {micro} does not divide the per-rank batch {local} "
-                          f"(global_batch_size {t.global_batch_size} / dp {dp})")
-    return local, micro, local // micro
-
-
-def probe_layout(cfg: JobConfig, dp: int) -> int:
-    """Probe sequences per DP rank: ``observe.batch_size`` is global, so every layout reads the same rows."""
-    b = cfg.observe.batch_size
-    if cfg.observe.every and (b < 1 or b % dp):
-        raise ConfigError(f"observe.batch_size = {b} (the global probe batch) is not a positive multiple of the "
-                          f"data-parallel degree {dp}; set it to a multiple of {dp}")
-    return b // dp
-
-
-def hms(seconds: float) -> str:
-    """Seconds as H:MM:SS."""
-    return str(datetime.timedelta(seconds=int(round(max(seconds, 0.0)))))
-
-
-def count(n: float) -> str:
-    """A token count for the console: 950, 12.3k, 4.56M, 1.23B."""
-    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if n >= div:
-            return f"{n / div:.3g}{unit}"
-    return f"{n:.0f}"
-
-
-def perplexity(loss: float) -> float:
-    """exp(loss), inf when it overflows."""
-    return math.exp(loss) if loss < 700 else math.inf
-
-
-class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         device_type = device_type_for(cfg.training.device)
@@ -427,128 +349,6 @@ class Trainer:
                 self.log0(f"{self.preempted} received: stopped after step {step} ({what})")
                 break
         self.log0(self._summary())
-
-    def _hosts_line(self) -> str:
-        """Which host each rank runs on (``hosts: node1 ranks 0-1 | node2 ranks 2-3``), from every rank."""
-        import socket
-
-        hosts = [None] * self.world_size
-        dist.all_gather_object(hosts, socket.gethostname(), group=self._cpu_group())
-        ranges: list[list] = []
-        for rank, host in enumerate(hosts):
-            if ranges and ranges[-1][0] == host and ranges[-1][2] == rank - 1:
-                ranges[-1][2] = rank
-            else:
-                ranges.append([host, rank, rank])
-        return "hosts: " + " | ".join(f"{h} rank{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}"
-                                      for h, a, b in ranges)
-
-    def _data_line(self) -> str:
-        """Sizes of the splits and how many passes over the training split this run makes."""
-        cfg = self.cfg
-        t = cfg.training.seq_len
-        planned = cfg.training.steps * self.tokens_per_step
-        train_w = self.train_loader.num_windows
-        line = f"data {self.train_loader.description}: train "
-        if train_w is None:
-            line += f"endless (streamed or generated); this run reads {planned:,} tokens"
-        else:
-            line += (f"{train_w * t:,} tokens; this run reads {planned:,} tokens = "
-                     f"{planned / (train_w * t):.3g} epochs")
-        if self.val_loader is not None:
-            line += f" | validation {self.val_windows * t:,} tokens per evaluation"
-            if self.val_loader.num_windows is not None:
-                line += f" (split: {self.val_loader.num_windows * t:,})"
-        return line
-
-    def _progress(self, step: int) -> str:
-        """``step N/total``, tokens seen, elapsed time and the ETA from this session's step rate."""
-        total = self.cfg.training.steps
-        elapsed = time.perf_counter() - self.t_start
-        done = step - self.step_start
-        eta = elapsed / done * (total - step) if done > 0 else 0.0
-        return (f"step {step:>6}/{total}  tokens {count(step * self.tokens_per_step)}  "
-                f"elapsed {hms(elapsed)}  eta {hms(eta)}")
-
-    def _summary(self) -> str:
-        """The end-of-run line: steps, final losses and perplexities, wall time, tokens, run folder."""
-        step, total = self.state.step, self.cfg.training.steps
-        head = "finished" if step >= total else "stopped"
-        parts = [f"{head} {step}/{total} steps in {hms(time.perf_counter() - self.t_start)}",
-                 f"{count(step * self.tokens_per_step)} tokens"]
-        if self.last_loss is not None:
-            parts.append(f"train loss {self.last_loss:.4f} (ppl {perplexity(self.last_loss):.2f})")
-        if self.last_val is not None:
-            parts.append(f"val loss {self.last_val:.4f} (ppl {perplexity(self.last_val):.2f})")
-        parts.append(f"run folder {self.run_dir}")
-        return " | ".join(parts)
-
-    def _step_problem(self, step: int, loss: float, norm: torch.Tensor) -> str | None:
-        """Why this step is unhealthy (a non-finite gradient norm: its update was skipped; a diverged loss), or
-        None; counts consecutive unhealthy steps. Every rank gets the same answer (loss and norm are reduced)."""
-        problem = None if torch.isfinite(norm) else "non-finite gradient norm"
-        problem = problem or self.health.loss_problem(loss)
-        if problem is None:
-            self.health.add_loss(loss)
-            self.state.unhealthy_steps = 0
-            return None
-        if not self.state.unhealthy_steps:
-            self.state.unhealthy_since = step
-        self.state.unhealthy_steps += 1
-        return problem
-
-    @torch.no_grad()
-    def _weights_problem(self, norm_before: float | None) -> str | None:
-        """Divergence guard, before every save: why the weights this step's update produced are ruined, or None.
-        The next step's first micro-batch, read ahead, gives the updated weights' loss as that step will see it
-        (checked against the recent losses), and their parameter norm must be finite and not a multiple of
-        ``norm_before`` (when known), so no checkpoint ever holds weights whose loss exploded while the gradients
-        were still finite. Gradients, data position and RNG are left as a run without the check has them."""
-        inputs, labels = (t.to(self.device) for t in self.train_loader.dataset.peek())
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state() if self.device.type == "cuda" else None
-        logits = self.model(inputs)
-        with loss_context(logits):
-            total = torch.stack([replicated_value(self.loss_sum(logits, labels)).float(),
-                                 torch.tensor(float(labels.numel()), device=self.device)])
-        dist.all_reduce(total, group=self.dims.dp_mesh.get_group())
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng)
-        return self.health.weights_problem(float(total[0] / total[1]), float(param_norm(self.model.parameters())),
-                                           norm_before)
-
-    def _check_divergence(self, step: int, problem: str, last: bool) -> None:
-        """Stops the run after ``training.max_skipped_steps`` consecutive unhealthy steps, or at an unhealthy
-        last step (a run never reports ruined weights as finished)."""
-        n, limit = self.state.unhealthy_steps, self.cfg.training.max_skipped_steps
-        if limit and (n >= limit or last):
-            first = self.state.unhealthy_since
-            steps = f"steps {first}-{step} were all" if first < step else f"step {step} was"
-            raise self._diverged(f"{steps} unhealthy (step {step}: {problem}; training.max_skipped_steps = {limit})")
-
-    def _diverged(self, what: str) -> DivergedError:
-        """The one line of a divergence: what happened and the newest checkpoint of this run's own path (the
-        one it resumed from or saved since; never a newer folder of another try) to resume from."""
-        folder = self.checkpointer.folder
-        own = [s for s in ([self.resumed_step] if self.resumed_step is not None else []) + self.saved_steps
-               if (folder / f"step-{s}" / ".metadata").is_file()]
-        lr = f"a lower optimizer.lr (now {self.cfg.optimizer.lr:g})"
-        advice = (f"this run's newest checkpoint step-{own[-1]} precedes the divergence (no checkpoint of diverged "
-                  f"weights is saved): resume from it (--checkpoint.load_step {own[-1]}) with {lr}" if own else
-                  f"no checkpoint of this run precedes it: start afresh (another job.name, or "
-                  f"--checkpoint.load_step 0) with {lr}")
-        return DivergedError(f"training diverged: {what}; {advice}, or check the data")
-
-    def _log(self, step: int, loss_v: float, norm: torch.Tensor, lr: float) -> None:
-        self.last_loss = loss_v
-        scalars = {"loss": loss_v, "lr": lr, "grad_norm": float(norm), **self.throughput.read(),
-                   "memory_gib": peak_memory_gib(self.device), "skipped_steps": float(self.state.skipped_steps),
-                   "tokens": float(step * self.tokens_per_step)}
-        mfu = f"  mfu {scalars['mfu']:.1f}%" if "mfu" in scalars else ""
-        line = (f"{self._progress(step)}  loss {loss_v:.4f}  lr {lr:.2e}  gnorm {scalars['grad_norm']:.3f}  "
-                f"tok/s {scalars['tokens_per_second']:,.0f}{mfu}  mem {scalars['memory_gib']:.2f}GiB")
-        self.logger.log(step, scalars, console=line)
 
     def _build_probe(self) -> None:
         from outlier_titan.observe.probe import OutlierProbe

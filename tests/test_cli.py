@@ -49,7 +49,7 @@ def test_large_configs_name_a_real_tokenizer():
 
 def test_probe_batch_is_global_and_must_split_over_the_dp_ranks():
     from outlier_titan.config.manager import ConfigError, parse_args
-    from outlier_titan.trainer import probe_layout
+    from outlier_titan.training.step import probe_layout
 
     cfg = parse_args(["--config", str(REPO / "train_configs/debug.toml"), "--observe.every", "10",
                       "--observe.batch_size", "6"])

@@ -256,8 +256,8 @@ class Observe:
 @dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
-    model: Model = field(default_factory=lambda: section_class("model")())
-    optimizer: Optimizer = field(default_factory=lambda: section_class("optimizer")())
+    model: ModelCommon = field(default_factory=lambda: section_class("model")())  # the composed [model]
+    optimizer: OptimizerCommon = field(default_factory=lambda: section_class("optimizer")())
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     data: Data = field(default_factory=Data)

@@ -12,6 +12,13 @@ import math
 import statistics
 from collections import deque
 
+import torch
+import torch.distributed as dist
+
+from outlier_titan.errors import DivergedError
+from outlier_titan.parallel.grads import param_norm
+from outlier_titan.training.step import loss_context, replicated_value
+
 # A loss is diverged above max(LOSS_FACTOR x the reference, the reference + LOSS_MARGIN nats): a doubled loss at
 # 7 nats, a loss up 2 nats at 0.5 (a real loss spike at either stays below). The reference is the best level of
 # the last WINDOW healthy steps: the lowest median of LEVEL consecutive losses (robust to an easy batch, and it
@@ -71,3 +78,65 @@ class Health:
         if norm_before and norm > PARAM_NORM_FACTOR * norm_before:
             return f"the update took the parameter norm from {norm_before:.4g} to {norm:.4g}"
         return None
+
+
+class DivergenceGuard:
+    """The trainer's divergence checks (mixed into ``outlier_titan.trainer.Trainer``): unhealthy steps counted and
+    stopped after ``training.max_skipped_steps``, and no checkpoint of ruined weights."""
+
+    def _step_problem(self, step: int, loss: float, norm: torch.Tensor) -> str | None:
+        """Why this step is unhealthy (a non-finite gradient norm: its update was skipped; a diverged loss), or
+        None; counts consecutive unhealthy steps. Every rank gets the same answer (loss and norm are reduced)."""
+        problem = None if torch.isfinite(norm) else "non-finite gradient norm"
+        problem = problem or self.health.loss_problem(loss)
+        if problem is None:
+            self.health.add_loss(loss)
+            self.state.unhealthy_steps = 0
+            return None
+        if not self.state.unhealthy_steps:
+            self.state.unhealthy_since = step
+        self.state.unhealthy_steps += 1
+        return problem
+
+    @torch.no_grad()
+    def _weights_problem(self, norm_before: float | None) -> str | None:
+        """Divergence guard, before every save: why the weights this step's update produced are ruined, or None.
+        The next step's first micro-batch, read ahead, gives the updated weights' loss as that step will see it
+        (checked against the recent losses), and their parameter norm must be finite and not a multiple of
+        ``norm_before`` (when known), so no checkpoint ever holds weights whose loss exploded while the gradients
+        were still finite. Gradients, data position and RNG are left as a run without the check has them."""
+        inputs, labels = (t.to(self.device) for t in self.train_loader.dataset.peek())
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state() if self.device.type == "cuda" else None
+        logits = self.model(inputs)
+        with loss_context(logits):
+            total = torch.stack([replicated_value(self.loss_sum(logits, labels)).float(),
+                                 torch.tensor(float(labels.numel()), device=self.device)])
+        dist.all_reduce(total, group=self.dims.dp_mesh.get_group())
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng)
+        return self.health.weights_problem(float(total[0] / total[1]), float(param_norm(self.model.parameters())),
+                                           norm_before)
+
+    def _check_divergence(self, step: int, problem: str, last: bool) -> None:
+        """Stops the run after ``training.max_skipped_steps`` consecutive unhealthy steps, or at an unhealthy
+        last step (a run never reports ruined weights as finished)."""
+        n, limit = self.state.unhealthy_steps, self.cfg.training.max_skipped_steps
+        if limit and (n >= limit or last):
+            first = self.state.unhealthy_since
+            steps = f"steps {first}-{step} were all" if first < step else f"step {step} was"
+            raise self._diverged(f"{steps} unhealthy (step {step}: {problem}; training.max_skipped_steps = {limit})")
+
+    def _diverged(self, what: str) -> DivergedError:
+        """The one line of a divergence: what happened and the newest checkpoint of this run's own path (the
+        one it resumed from or saved since; never a newer folder of another try) to resume from."""
+        folder = self.checkpointer.folder
+        own = [s for s in ([self.resumed_step] if self.resumed_step is not None else []) + self.saved_steps
+               if (folder / f"step-{s}" / ".metadata").is_file()]
+        lr = f"a lower optimizer.lr (now {self.cfg.optimizer.lr:g})"
+        advice = (f"this run's newest checkpoint step-{own[-1]} precedes the divergence (no checkpoint of diverged "
+                  f"weights is saved): resume from it (--checkpoint.load_step {own[-1]}) with {lr}" if own else
+                  f"no checkpoint of this run precedes it: start afresh (another job.name, or "
+                  f"--checkpoint.load_step 0) with {lr}")
+        return DivergedError(f"training diverged: {what}; {advice}, or check the data")

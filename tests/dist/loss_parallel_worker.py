@@ -17,7 +17,7 @@ from outlier_titan.models.registry import build_meta_model  # noqa: E402
 from outlier_titan.parallel.dims import ParallelDims  # noqa: E402
 from outlier_titan.parallel.fsdp import apply_fsdp  # noqa: E402
 from outlier_titan.parallel.tensor_parallel import apply_tp_plan  # noqa: E402
-from outlier_titan.trainer import cross_entropy_sum, loss_context, replicated_value  # noqa: E402
+from outlier_titan.training.step import cross_entropy_sum, loss_context, replicated_value  # noqa: E402
 
 dist.init_process_group("gloo")
 dims = ParallelDims(1, 1, 2, 2)
