@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch.nn as nn
 
 from outlier_titan.config.job_config import section_class
-from outlier_titan.config.manager import ConfigError
+from outlier_titan.errors import ConfigError
 from outlier_titan.models.attention_variants import KIND as VARIANT_KIND, check_options_used
 from outlier_titan.models.spec import ModelSpec, all_specs, get_spec
 

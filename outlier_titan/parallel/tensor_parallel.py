@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from outlier_titan.config.manager import ConfigError
+from outlier_titan.errors import ConfigError
 from outlier_titan.models.attention_variants import get_variant
 from outlier_titan.models.spec import TPPlan
 

@@ -54,7 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from outlier_titan.config.manager import ConfigError
+from outlier_titan.errors import ConfigError
 from outlier_titan.models.angpt import ANGPTOptions
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import Attention, RotaryEmbedding, attention, init_norms

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from outlier_titan.config.manager import ConfigError
+from outlier_titan.errors import ConfigError
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import Attention, RotaryEmbedding, attention, init_norms
 from outlier_titan.models.ngpt import NGPTOptions

@@ -56,7 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-from outlier_titan.config.manager import ConfigError
+from outlier_titan.errors import ConfigError
 from outlier_titan.models.attention import (AttentionArgs, input_reading_variants, resolve_variant,
                                             validate_attention_args)
 from outlier_titan.models.attention_variants import block_options

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from outlier_titan.config.manager import ConfigError
+from outlier_titan.errors import ConfigError
 from outlier_titan.models.attention import AttentionArgs, resolve_variant, validate_attention_args
 from outlier_titan.models.attention_variants import block_options
 from outlier_titan.models.init import Initializer
