@@ -105,5 +105,5 @@ def test_the_toy_tp_plan_applies_and_matches_one_rank(tmp_path):
 
 
 def test_the_guide_shows_the_toy_spec_as_it_is():
-    guide = (Path(__file__).parents[1] / "docs" / "extending-spec.md").read_text()
+    guide = (Path(__file__).parents[1] / "docs" / "extending.md").read_text()
     assert Path(TOY).read_text() in guide

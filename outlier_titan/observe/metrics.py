@@ -9,7 +9,7 @@ results table, ``scripts/analyze.py``'s default panels). The probe, the trainer'
 sweep's results and ``scripts/analyze.py`` read it.
 
 The built-ins register in :mod:`outlier_titan.observe.outliers` and :mod:`outlier_titan.observe.sinks`; code
-outside the package calls :func:`register_metric` at import (``job.plugins``; docs/extending-metric.md). The
+outside the package calls :func:`register_metric` at import (``job.plugins``; docs/extending.md). The
 evaluator's whole-model measures, which run their own forward passes instead of the probe's hooks (Park et al.
 2025's excess kurtosis, :mod:`outlier_titan.observe.osp_kurtosis`), register with :func:`register_evaluation`.
 """

@@ -28,6 +28,7 @@ random signs from the seed. See ``outlier_titan/quant/ptq.py`` and ``docs/quanti
 from __future__ import annotations
 
 import argparse
+import tomllib
 import json
 import math
 import re
@@ -39,7 +40,7 @@ import torch
 
 from outlier_titan import cli
 from outlier_titan.errors import UserError
-from outlier_titan.plugins import take_plugins
+from outlier_titan.plugins import load_plugins, take_plugins
 from outlier_titan.provenance import code_version, runtime_versions
 from outlier_titan.quant.ptq import SCHEMES, check_schemes, scheme_help
 
@@ -56,8 +57,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="validation tokens for each perplexity; a smaller validation split is scored once, "
                         "whole, with a warning")
     p.add_argument("--out", default=None, help="JSON report path (default <run>/eval/step-<N>.json)")
-    p.add_argument("--schemes", default=",".join(SCHEMES),
-                   help="comma-separated registered schemes (default: all of them): " + scheme_help())
+    p.add_argument("--schemes", default=None,
+                   help="comma-separated registered schemes (default: all of them, a run's plug-ins' included): "
+                        + scheme_help())
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: training.seq_len)")
     p.add_argument("--calib-batches", type=int, default=4, help="w8a8_static and GPTQ: calibration batches per seed")
@@ -102,6 +104,15 @@ def _loader_fn():
     return load_model_for_eval
 
 
+def _import_run_plugins(path: Path) -> None:
+    """The ``job.plugins`` of the run that holds ``path`` (a run folder or one of its checkpoints), imported."""
+    for folder in (path, path.parent.parent):
+        if (folder / "config.toml").is_file():
+            table = tomllib.loads((folder / "config.toml").read_text())
+            load_plugins(table.get("job", {}).get("plugins", []))
+            return
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     return cli.report_user_errors(run, args)
@@ -114,8 +125,10 @@ def run(args: argparse.Namespace) -> int:
     from outlier_titan.eval.report import markdown
     from outlier_titan.eval.runner import evaluate_model
 
-    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    check_schemes(schemes, "--schemes")
+    if args.checkpoint:
+        _import_run_plugins(Path(args.checkpoint))  # a run's plug-ins may register schemes
+    schemes = check_schemes([s.strip() for s in args.schemes.split(",") if s.strip()] if args.schemes
+                            else list(SCHEMES), "--schemes")
     for flag in ("tokens", "batch_size", "calib_batches", "calib_seeds"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")

@@ -65,8 +65,10 @@ class ToyTransformer(nn.Module):
             init.constant(self.embed_gain.weight, 1.0)
         for block in self.layers.values():
             att, ff = block.attention, block.feed_forward
-            for lin in (att.wq, att.wk, att.wv, att.wo, ff.w1, ff.w3, ff.w2):
+            # every parameter, the attention variant's included: its input readers like wq, the others their own
+            for lin in (att.wq, att.wk, att.wv, *att.input_readers(), att.wo, ff.w1, ff.w3, ff.w2):
                 init.linear(lin, std)
+            att.init_variant(init)
         init.linear(self.output, std)
         init_norms(self)
 

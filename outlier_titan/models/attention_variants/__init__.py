@@ -1,6 +1,6 @@
 """The attention variants: the registry (:mod:`.registry`, no torch) and the built-in variants,
 one module each, which register themselves when this package is imported. A variant outside the package is one
-plug-in file that calls :func:`register_variant` (docs/extending-attention.md)."""
+plug-in file that calls :func:`register_variant` (docs/extending.md)."""
 
 from __future__ import annotations
 
