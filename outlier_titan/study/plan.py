@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from outlier_titan.config.manager import tomllib
+from outlier_titan.plugins import load_plugins
 from outlier_titan.study.spec import Point, Sweep, SweepError
 
 MANIFEST = "manifest.json"
@@ -46,11 +47,15 @@ def build_manifest(sweep: Sweep, sweep_dir: Path) -> dict[str, Any]:
 
 
 def read_manifest(sweep_dir: str | Path) -> dict[str, Any]:
+    """The sweep's manifest; the ``job.plugins`` its points use are imported (their metrics name its columns)."""
     path = Path(sweep_dir) / MANIFEST
     if not path.is_file():
         raise SweepError(f"{sweep_dir} is not a planned sweep folder (no {MANIFEST}); run "
                          f"'sweep.py plan SWEEP.toml --out {sweep_dir}' first")
-    return json.loads(path.read_text())
+    manifest = json.loads(path.read_text())
+    for entry in manifest["points"]:
+        load_plugins(tomllib.loads(entry["config"]).get("job", {}).get("plugins", []))
+    return manifest
 
 
 def _defaults() -> dict[str, dict[str, Any]]:

@@ -37,12 +37,14 @@ from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, load_toml, parse_args, set_values, to_toml, validate
 from outlier_titan.errors import UserError
 from outlier_titan.packaged import resolve_config
+from outlier_titan.plugins import load_plugins
 
 TOP_KEYS = ("base", "name", "seeds", "tokens_per_param", "budget_params", "fixed", "grid", "zip", "slurm", "lr_choice", "lr_from")
 SLURM_KEYS = {"nodes": int, "gpus_per_node": int, "cpus_per_task": int, "time": str, "partition": str,
               "account": str, "signal_seconds": int, "extra": list}
 SEED = "seed"
 BUDGET = "tokens_per_param"
+PLUGINS = "job.plugins"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
 PLACEHOLDER_RE = re.compile(r"\{([^{}:]+)(?::([^{}]*))?\}")
 
@@ -106,6 +108,13 @@ def _check_key(key: str, where: str) -> None:
         raise SweepError(f"{where}: set seeds with the top-level 'seeds = [...]' list, not '{key}'")
     if key != BUDGET and "." not in key:
         raise SweepError(f"{where}: '{key}' is not a section.key of the train config (or '{BUDGET}')")
+
+
+def _plugin_paths(value: Any, folder: Path, where: str) -> list[str]:
+    """``job.plugins`` of a sweep file, ``.py`` paths made absolute (relative to the sweep file's folder)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SweepError(f"{where}: {PLUGINS} must be a list of module names or .py paths, got {value!r}")
+    return [str((folder / v).resolve()) if v.endswith(".py") else v for v in value]
 
 
 def _format_value(v: Any, spec: str | None) -> str:
@@ -176,6 +185,9 @@ def load_sweep(path: str | Path) -> Sweep:
     fixed = _flatten(raw.get("fixed", {}), f"{where} [fixed]")
     for key in fixed:
         _check_key(key, f"{where} [fixed]")
+    if PLUGINS in fixed:  # imported before the points are read: their options and choices exist then
+        fixed[PLUGINS] = _plugin_paths(fixed[PLUGINS], path.parent, f"{where} [fixed]")
+        load_plugins(fixed[PLUGINS])
     grid = _flatten(raw.get("grid", {}), f"{where} [grid]")
     for key, values in grid.items():
         _check_key(key, f"{where} [grid]")
@@ -221,6 +233,8 @@ def load_sweep(path: str | Path) -> Sweep:
     if budget is not None:
         seen[BUDGET] = "top-level tokens_per_param"
     for k in list(grid) + [k for g in zip_groups for k in g]:
+        if k == PLUGINS:
+            raise SweepError(f"{where}: {PLUGINS} is not an axis; set it in [fixed]")
         if k in seen:
             raise SweepError(f"{where}: '{k}' is set in {seen[k]} and again as an axis; give it once")
         seen[k] = "an axis"
