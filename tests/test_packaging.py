@@ -19,7 +19,7 @@ import outlier_titan
 from outlier_titan.config.manager import ConfigError, parse_args, to_toml
 from outlier_titan.data.tokenizer import EMBEDDED_BPE, build_tokenizer, load_bpe_file
 from outlier_titan.packaged import child_environment, configs_dir, packaged_config, packaged_config_names, resolve_config
-from outlier_titan.study.reproduce import suite_file
+from outlier_titan.study.suite_files import suite_file
 from tests.launch import REPO
 
 PACKAGE = Path(outlier_titan.__file__).parent
