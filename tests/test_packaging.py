@@ -53,6 +53,25 @@ def test_packaged_config_names_resolve_from_any_directory(tmp_path, monkeypatch)
     assert parse_args(["--config", "debug"]).training.steps == 7
 
 
+def test_the_papers_recipes_old_numbered_names_resolve_with_a_deprecation_note(tmp_path, monkeypatch, capsys):
+    """seed000_* / seed001_* / seed002_* were renamed by paper (kaul2024_*, franke2025_*, he2024_*); the old names
+    still work as a packaged name, a path and a sweep's base, each with one note on stderr."""
+    from outlier_titan.study.spec import load_sweep
+
+    monkeypatch.chdir(tmp_path)
+    new = configs_dir() / "kaul2024_gpt2_130m_softmax1_orthoadam.toml"
+    for old in ("seed000_gpt2_130m_softmax1_orthoadam", "train_configs/seed000_gpt2_130m_softmax1_orthoadam.toml",
+                str(configs_dir() / "seed000_gpt2_130m_softmax1_orthoadam.toml")):
+        assert resolve_config(old) == new, old
+        assert capsys.readouterr().err == ("note: config seed000_gpt2_130m_softmax1_orthoadam.toml is now "
+                                           "kaul2024_gpt2_130m_softmax1_orthoadam.toml; the old name is deprecated\n")
+    assert resolve_config("seed002_op_soap") == configs_dir() / "he2024_op_soap.toml"
+    assert resolve_config("seed001_angpt_125m") == configs_dir() / "franke2025_angpt_125m.toml"
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text(f'base = "{configs_dir()}/seed001_angpt_125m.toml"\nseeds = [0]\n')
+    assert load_sweep(sweep).base == configs_dir() / "franke2025_angpt_125m.toml"
+
+
 def test_checkout_configs_are_the_packaged_configs():
     """One copy of each file: the package's configs folder is the repository's train_configs/."""
     assert (PACKAGE / "configs").resolve() == (REPO / "train_configs").resolve() == configs_dir()
