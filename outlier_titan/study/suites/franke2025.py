@@ -15,6 +15,7 @@ from outlier_titan.study.rules import Claim, estimate_of
 from outlier_titan.study.stats import Estimate
 from outlier_titan.study.suites.base import PaperRow, Suite, SuiteInfo
 
+
 INFO = SuiteInfo(
     title="franke2025: anGPT and nGPT against GPT+ at equal tokens",
     citation="Franke et al., Learning in Compact Spaces with Approximately Normalized Transformers, 2025",

@@ -10,6 +10,7 @@ from outlier_titan.study.groups import first_match
 from outlier_titan.study.rules import Claim
 from outlier_titan.study.suites.base import PTQ_THRESHOLDS, REDUCTION_THRESHOLDS, PaperRow, Suite, SuiteInfo
 
+
 def _he_axes(block: str, opt: str) -> dict[str, object]:
     return {"model.block": block, "optimizer.name": opt}
 

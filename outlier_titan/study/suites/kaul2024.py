@@ -11,6 +11,7 @@ from outlier_titan.study.groups import first_match
 from outlier_titan.study.rules import Claim, estimate_of
 from outlier_titan.study.suites.base import PTQ_THRESHOLDS, REDUCTION_THRESHOLDS, PaperRow, Suite, SuiteInfo
 
+
 def _kaul_axes(opt: str, sm: str, norm: str) -> dict[str, object]:
     return {"optimizer.name": opt, "model.softmax": sm, "model.norm": norm}
 

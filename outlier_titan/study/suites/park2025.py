@@ -11,6 +11,7 @@ from outlier_titan.study.groups import first_match
 from outlier_titan.study.rules import Claim
 from outlier_titan.study.suites.base import PTQ_THRESHOLDS, PaperRow, Suite, SuiteInfo
 
+
 # Park et al. 2025 (arXiv 2506.19697): the abstract's excess kurtosis 0.04 (OSP) against 1818.56 (Adam), and the
 # ablation rows of the 1.4B models trained on 100B tokens as the authors' repository (dmis-lab/
 # Outlier-Safe-Pre-Training, README "Ablation Models") lists them: excess kurtosis as their evaluate_kurtosis.py

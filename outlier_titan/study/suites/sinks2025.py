@@ -11,6 +11,7 @@ from outlier_titan.study.rules import Claim, estimate_of, paired_relative
 from outlier_titan.study.stats import estimate
 from outlier_titan.study.suites.base import PaperRow, Suite, SuiteInfo
 
+
 # The attention-sink remedies (docs/attention.md). Paper numbers only where checked: softpick's 0 % sink rate
 # (340M and 1.8B) and sigmoid attention's absence of sinks (Gu et al., up to 1B), both from the abstracts, and
 # Kaul et al.'s %First (the share of (query, head) pairs whose most-attended key is the first token) of the
