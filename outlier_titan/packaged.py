@@ -6,18 +6,24 @@
 
 A config argument (``--config``, a sweep file) that is not an existing file is looked up among the packaged
 configs by name: ``debug``, ``debug.toml``, ``suites/kaul2024/smoke`` or ``train_configs/debug.toml`` all name
-``configs/debug.toml``, so the README's commands work from any directory after a non-editable install.
+``configs/debug.toml``, so the README's commands work from any directory after a non-editable install. The
+papers' recipes' old numbered names (``seed000_*`` and so on, :data:`RENAMED_CONFIG_PREFIXES`) still resolve, with a
+deprecation note.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from importlib.resources import files
 from pathlib import Path, PurePosixPath
 
 from outlier_titan.errors import UserError
 
 CONFIG_PREFIX = "train_configs"  # the repository's folder that configs/ mirrors; dropped from packaged names
+RENAMED_CONFIG_PREFIXES = {"seed000_": "kaul2024_", "seed001_": "franke2025_", "seed002_": "he2024_"}
+"""The papers' recipe configs' old numbered names -> their names by paper (Kaul et al. 2024, Franke et al. 2025,
+He et al. 2024)."""
 
 
 def package_path(*parts: str) -> Path:
@@ -68,12 +74,23 @@ def packaged_config(name: str) -> Path | None:
     if rel.suffix != ".toml":
         rel = rel.with_name(rel.name + ".toml")
     path = configs_dir() / rel
-    return path if path.is_file() else None
+    return path if path.is_file() else renamed_config(path)
+
+
+def renamed_config(path: Path) -> Path | None:
+    """The file an old numbered config name now has (:data:`RENAMED_CONFIG_PREFIXES`), saying so on stderr, or
+    None."""
+    for old, new in RENAMED_CONFIG_PREFIXES.items():
+        if path.name.startswith(old) and (renamed := path.with_name(new + path.name[len(old):])).is_file():
+            print(f"note: config {path.name} is now {renamed.name}; the old name is deprecated", file=sys.stderr)
+            return renamed
+    return None
 
 
 def resolve_config(arg: str | Path) -> Path | None:
-    """An existing file as given, else the packaged config of that name, else None."""
+    """An existing file as given, else the packaged config of that name, else None (an old numbered name
+    resolves to its renamed file)."""
     path = Path(arg)
     if path.is_file():
         return path
-    return packaged_config(str(arg))
+    return renamed_config(path) or packaged_config(str(arg))

@@ -19,4 +19,4 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH="$PYTHONPATH:$WHEELS"
     echo "unpacked onto PYTHONPATH: $(cd .whl && ls *.whl | tr '\n' ' ')"
 fi
-exec "$PY" -m outlier_titan.gpu_check --out "$OUT" "$@"
+exec "$PY" -m outlier_titan.tools.gpu_check --out "$OUT" "$@"

@@ -18,7 +18,7 @@ from outlier_titan.models.attention_variants import AttentionOptions, variants
 from outlier_titan.models.attention_flex import flex_attention_variant
 from outlier_titan.models.layers import Attention, RotaryEmbedding, attention, repeat_kv
 from outlier_titan.parallel.parallelize import _op_policy
-from outlier_titan.tools.benchmark import attention_step, peak_bytes
+from outlier_titan.tools.benchmarks.attention import attention_step, peak_bytes
 from tests.test_attention import attention_formula
 
 TOL = 1e-10

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from outlier_titan.observe.logger import read_metrics
-from outlier_titan.study.claims import claims_sinks, sinks_table
-from outlier_titan.study.groups import aggregate, fmt
+from outlier_titan.study.suites.sinks2025 import claims as claims_sinks, sinks_table
+from outlier_titan.study.groups import aggregate, format_value
 from outlier_titan.study.stats import VERDICTS, estimate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def test_sinks2025_smoke_report_comes_from_the_runs(tmp_path):
         assert float(row["final_value_drain"]) == pytest.approx(probe[-1]["outliers/value_drain"])
     for name in ("softpick", "sigmoid"):  # the paper rows: 0 % sink rate beside ours
         line = next(ln for ln in report.splitlines() if f"| {name} |" in ln and "abstract" in ln)
-        assert f"0 / {fmt(estimate([float(rows[name]['final_sink_rate'])]))}" in line
+        assert f"0 / {format_value(estimate([float(rows[name]['final_sink_rate'])]))}" in line
     verdicts = re.findall(rf"^- \*\*({'|'.join(VERDICTS)})\*\* at .* — (.*)$", report, re.M)
     assert len(verdicts) == 16  # one per remedy and sink measure (Sink^0.3, first-token share)
 
@@ -99,7 +99,7 @@ def test_sinks_verdicts_of_a_suite_without_an_optimizer_axis():
 
 
 def test_a_missing_scale_names_the_scales_the_suite_has(tmp_path, monkeypatch):
-    import outlier_titan.study.reproduce as rp
+    import outlier_titan.study.suite_files as rp
     from outlier_titan.errors import UserError
 
     for scale in ("smoke", "synthetic"):

@@ -165,7 +165,7 @@ def test_user_error_of_any_rank_is_the_consoles_one_last_line(tmp_path, filter_,
 @pytest.mark.dist
 @pytest.mark.slow
 def test_rank_killed_during_save_is_a_failure_not_a_user_error(tmp_path):
-    """Issue 29: a rank SIGKILLed while the checkpoint is written ends the launcher with the failure code (1),
+    """A rank SIGKILLed while the checkpoint is written ends the launcher with the failure code (1),
     never the user-error code 2, and no ``error:`` line; the partial save is never committed."""
     run = tmp_path / "run"
     proc = launch(tmp_path, "run", "--checkpoint.interval", "1")
@@ -186,7 +186,7 @@ def test_rank_killed_during_save_is_a_failure_not_a_user_error(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_stops_like_sigterm_and_a_second_aborts(tmp_path, presses):
-    """Issue 29: Ctrl-C (SIGINT to the launcher) finishes the step, saves it and exits 75 without a traceback; a
+    """Ctrl-C (SIGINT to the launcher) finishes the step, saves it and exits 75 without a traceback; a
     second Ctrl-C aborts at once with 130, one line, and commits nothing more."""
     run = tmp_path / "run"
     proc = launch(tmp_path, "run", "--checkpoint.interval", "100")
@@ -244,7 +244,7 @@ def test_a_stop_signal_during_a_save_stops_right_after_it(tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_a_frozen_peer_fails_the_run_within_the_collective_timeout(tmp_path):
-    """Issue 29: a rank that freezes (SIGSTOP: no TCP reset) makes its peer fail after
+    """A rank that freezes (SIGSTOP: no TCP reset) makes its peer fail after
     ``parallelism.collective_timeout_s``, not gloo's default 30 minutes; the launcher exits with the failure code
     and a ``failure:`` line that names the setting."""
     run = tmp_path / "run"

@@ -175,7 +175,7 @@ def test_frontier_bins_and_default_count():
     assert [default_bins(n) for n in (3, 6, 9, 30, 3000)] == [3, 3, 3, 10, 1000]
 
 
-def test_seed001_table_i1_compute_optimal_and_z_test():
+def test_franke2025_table_i1_compute_optimal_and_z_test():
     """Table I.1 of Franke et al. 2025 gives the published N_opt, D_opt (to their printed digits), and the
     z-test on the published variances gives p = 0.073 at the exponent difference the paper implies."""
     table = {"GPT+": (13.408079, 0.466271, 0.336617, 0.465600), "anGPT": (9.727337, 0.473190, 0.650506, 0.451378)}

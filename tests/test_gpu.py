@@ -17,19 +17,20 @@ import torch
 import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from outlier_titan import gpu_check
 from outlier_titan.config.job_config import Model, Observe, Optimizer
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import model_args
 from outlier_titan.optim.builder import optimizer_names
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.observe.probe import OutlierProbe
+from outlier_titan.tools.gpu_check import benchmarks
+from outlier_titan.tools.gpu_check.plan import attention_variants
 from tests.launch import TINY, train
 
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                          reason="needs a CUDA device")])
 DEVICES = ["cpu", CUDA]
-ATTENTION_KEY, ATTENTION_VARIANTS = gpu_check.attention_variants()
+ATTENTION_KEY, ATTENTION_VARIANTS = attention_variants()
 OPTIMIZERS = optimizer_names()
 
 # The SDPA kernel each fused attention variant runs on, as docs/gpu.md states: on CUDA the flash kernel (bf16,
@@ -47,10 +48,10 @@ MATH_KERNEL = "_scaled_dot_product_attention_math"
 @pytest.mark.parametrize("device", DEVICES)
 def test_attention_variant_in_bf16_matches_its_explicit_formula_on_the_fused_kernel(device, variant):
     item = dict(flavor="debug_llama", key=ATTENTION_KEY, variant=variant, seq_len=48)  # GQA + RoPE, d_h 32
-    ref_mod, dim = gpu_check._attention_module(item, torch.device("cpu"))
+    ref_mod, dim = benchmarks._attention_module(item, torch.device("cpu"))
     ref_mod.double()
     ref_mod.prob_hook = lambda p: None  # the explicit formula: probabilities written out, then P @ V
-    dev_mod, _ = gpu_check._attention_module(item, torch.device(device))
+    dev_mod, _ = benchmarks._attention_module(item, torch.device(device))
     for p in dev_mod.parameters():
         p.data = p.data.to(torch.bfloat16)
     gen = torch.Generator().manual_seed(3)
@@ -72,7 +73,7 @@ def test_attention_variant_in_bf16_matches_its_explicit_formula_on_the_fused_ker
         out["y"].backward(up.to(device, torch.bfloat16))
 
     with sdpa_kernel(backends):  # the math fallback is not allowed: an unsupported input raises
-        kernels = gpu_check.sdpa_kernels(fwd_bwd)
+        kernels = benchmarks.sdpa_kernels(fwd_bwd)
     assert MATH_KERNEL not in kernels
     if variant in FUSED_VARIANTS:
         assert FUSED_KERNEL[device] in kernels, kernels

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from outlier_titan import gpu_check
+from outlier_titan.tools.gpu_check import cli, environment, runner
+from outlier_titan.tools.gpu_check import plan as gpu_plan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,7 +26,7 @@ def test_runner_kills_a_slow_item_and_goes_on_with_the_next(tmp_path):
              _sleep("fails", fail="on purpose"), _sleep("dies", exit=3), _sleep("last", 0.0)]
     with open(tmp_path / "log", "w") as log:
         t0 = time.monotonic()
-        rows = gpu_check.run_items(items, dry=False, deadline=time.monotonic() + 120, log=log, tmp=tmp_path)
+        rows = runner.run_items(items, dry=False, deadline=time.monotonic() + 120, log=log, tmp=tmp_path)
     assert time.monotonic() - t0 < 40
     assert [r["status"] for r in rows] == ["ok", "timeout", "ok", "error", "crashed", "ok"]
     assert "2 s limit" in rows[1]["result"]["error"]
@@ -37,58 +38,58 @@ def test_runner_kills_a_slow_item_and_goes_on_with_the_next(tmp_path):
 def test_runner_skips_what_the_part_budget_does_not_reach(tmp_path):
     items = [_sleep("long", 60.0, limit_s=50), _sleep("never", 0.0)]
     with open(tmp_path / "log", "w") as log:
-        rows = gpu_check.run_items(items, dry=False, deadline=time.monotonic() + 3, log=log, tmp=tmp_path)
+        rows = runner.run_items(items, dry=False, deadline=time.monotonic() + 3, log=log, tmp=tmp_path)
     assert [r["status"] for r in rows] == ["timeout", "skipped"]
     assert "budget" in rows[0]["result"]["error"] and "budget" in rows[1]["result"]["error"]
 
 
 @pytest.mark.parametrize("dry", [False, True])
 def test_plan_covers_every_variant_and_optimizer_and_fits_the_budget(dry):
-    key, variants = gpu_check.attention_variants()
-    one = gpu_check.plan("1", dry)
+    key, variants = gpu_plan.attention_variants()
+    one = gpu_plan.plan("1", dry)
     assert [i["variant"] for i in one if i["kind"] == "attention"] == variants
     assert {i["compile"] for i in one if i["kind"] == "probe"} == {False, True}
-    two = gpu_check.plan("2", dry)
+    two = gpu_plan.plan("2", dry)
     assert {(i["compile"], i["ac"]) for i in two} == {(c, a) for c in (False, True) for a in ("none", "selective")}
-    three = gpu_check.plan("3", dry)
+    three = gpu_plan.plan("3", dry)
     optims = [i["optimizer"] for i in three if i["kind"] == "optim"]
     assert optims[0] == "adamw" and {"orthoadam", "soap"} <= set(optims)
-    assert not set(optims) & set(gpu_check.TORCH_OPTIMIZERS)
+    assert not set(optims) & set(gpu_plan.TORCH_OPTIMIZERS)
     for items in (one, two, three):
         assert len({i["name"] for i in items}) == len(items)
-        assert all(i["limit_s"] <= gpu_check.PART_BUDGET_S for i in items)
+        assert all(i["limit_s"] <= gpu_plan.PART_BUDGET_S for i in items)
     if not dry:
         assert all(i["flavor"] == "llama_1b" for i in two)
         flavors = {i["flavor"] for i in three if i["kind"] == "train"}
-        assert flavors == {f for _, f in gpu_check.PAPER_FLAVORS}
+        assert flavors == {f for _, f in gpu_plan.PAPER_FLAVORS}
 
 
 def test_device_plan_builds_on_the_meta_device_and_a_typo_is_caught(monkeypatch):
-    for part in gpu_check.PARTS:
-        assert gpu_check.check_plan(part) == [], part
-    real = gpu_check.plan
+    for part in gpu_plan.PARTS:
+        assert gpu_plan.check_plan(part) == [], part
+    real = gpu_plan.plan
 
     def with_typo(part, dry):
         items = real(part, dry)
         items[1] = dict(items[1], flavor="llama_1bb")
         return items
 
-    monkeypatch.setattr(gpu_check, "plan", with_typo)
-    problems = gpu_check.check_plan("2")
+    monkeypatch.setattr(gpu_plan, "plan", with_typo)
+    problems = gpu_plan.check_plan("2")
     assert len(problems) == 1 and "llama_1bb" in problems[0], problems
 
 
 def test_pytest_past_its_limit_is_killed_and_counts_nothing(tmp_path):
     (tmp_path / "pytest_gpu.xml").write_text('<testsuite tests="9" failures="0" errors="0" skipped="0"/>')
     with open(tmp_path / "log", "w") as log:
-        t = gpu_check.run_tests(tmp_path, log, limit_s=0.5)
+        t = runner.run_tests(tmp_path, log, limit_s=0.5)
     assert t["returncode"] == "timeout" and t["tests"] == t["passed"] == 0
     assert "killed" in (tmp_path / "log").read_text()
 
 
 def test_unknown_part_is_a_usage_error():
     with pytest.raises(SystemExit) as e:
-        gpu_check.main(["--part", "4", "--dry"])
+        cli.main(["--part", "4", "--dry"])
     assert e.value.code == 2
 
 
@@ -125,18 +126,18 @@ def test_dry_mode_runs_every_part_on_the_cpu(tmp_path):
 @pytest.mark.parametrize("version, ok", [("2.11.0+cu130", False), ("2.13.0+cpu", True), ("2.14.0a0+git1", True),
                                          ("2.9.1", False)])
 def test_report_says_whether_the_torch_meets_pyproject(version, ok):
-    assert gpu_check._meets(version, "torch>=2.13") is ok
-    assert gpu_check._meets(version, None) is None
+    assert environment._meets(version, "torch>=2.13") is ok
+    assert environment._meets(version, None) is None
 
 
 def test_only_runs_the_named_items_and_a_name_that_matches_nothing_is_a_usage_error(tmp_path, capsys):
     """``--only``: just the items whose name contains one of the strings (here part 3's SOAP step, dry); a
     string that names no item at all exits 2 with the part's item names."""
-    reports = gpu_check.run_parts(("3",), True, tmp_path, 300, "test", only=("soap on", "no such item"))
+    reports = cli.run_parts(("3",), True, tmp_path, 300, "test", only=("soap on", "no such item"))
     names = [it["name"] for it in reports[0]["items"]]
     assert names == ["soap on pre_ln/debug fp32 CPU (dry)"], names
     assert all(it["status"] == "ok" for it in reports[0]["items"]), reports[0]["items"]
     assert "| soap |" in (tmp_path / "gpu_check_part3.md").read_text()
     with pytest.raises(SystemExit) as e:
-        gpu_check.main(["--part", "3", "--dry", "--out", str(tmp_path), "--only", "no such item"])
+        cli.main(["--part", "3", "--dry", "--out", str(tmp_path), "--only", "no such item"])
     assert e.value.code == 2 and "adamw on pre_ln" in capsys.readouterr().err

@@ -168,4 +168,4 @@ def test_an_upward_or_sideways_import_is_found(tmp_path):
     (pkg / "high" / "y.py").write_text("from toy.mid_a import x\n")  # down: fine
     graph = import_graph(tmp_path, "toy")
     layers = (("low",), ("mid_a", "mid_b"), ("high",))
-    assert layer_violations(graph, layers, "toy") == ["toy.low.x -> toy.high", "toy.mid_a.x -> toy.mid_b"]
+    assert layer_violations(graph, layers, "toy") == ["toy.low.x -> toy.high.y", "toy.mid_a.x -> toy.mid_b.x"]

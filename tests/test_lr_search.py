@@ -8,7 +8,7 @@ import pytest
 
 from outlier_titan.errors import UserError
 from outlier_titan.study import lr_search
-from outlier_titan.study.reproduce import suite_file
+from outlier_titan.study.suite_files import suite_file
 from outlier_titan.study.spec import load_sweep
 
 AXES = ["optimizer.lr", "model.block", "optimizer.name", "seed"]

@@ -69,7 +69,7 @@ TABLE_F1 = {
 
 
 @pytest.mark.parametrize("size", list(TABLE_F1))
-def test_seed001_parameter_counts_match_table_f1(size):
+def test_franke2025_parameter_counts_match_table_f1(size):
     an, ng, gp = TABLE_F1[size]
     assert meta_count("angpt", size, 50304) == pytest.approx(an, rel=1e-3)  # 1% asked; it is 0.1%
     assert meta_count("ngpt", size, 50304) == pytest.approx(ng, rel=1e-3)

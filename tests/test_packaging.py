@@ -19,7 +19,7 @@ import outlier_titan
 from outlier_titan.config.manager import ConfigError, parse_args, to_toml
 from outlier_titan.data.tokenizer import EMBEDDED_BPE, build_tokenizer, load_bpe_file
 from outlier_titan.packaged import child_environment, configs_dir, packaged_config, packaged_config_names, resolve_config
-from outlier_titan.study.reproduce import suite_file
+from outlier_titan.study.suite_files import suite_file
 from tests.launch import REPO
 
 PACKAGE = Path(outlier_titan.__file__).parent
@@ -51,6 +51,25 @@ def test_packaged_config_names_resolve_from_any_directory(tmp_path, monkeypatch)
     # an existing file wins over the packaged name
     (tmp_path / "debug").write_text('[training]\nsteps = 7\n')
     assert parse_args(["--config", "debug"]).training.steps == 7
+
+
+def test_the_papers_recipes_old_numbered_names_resolve_with_a_deprecation_note(tmp_path, monkeypatch, capsys):
+    """seed000_* / seed001_* / seed002_* were renamed by paper (kaul2024_*, franke2025_*, he2024_*); the old names
+    still work as a packaged name, a path and a sweep's base, each with one note on stderr."""
+    from outlier_titan.study.spec import load_sweep
+
+    monkeypatch.chdir(tmp_path)
+    new = configs_dir() / "kaul2024_gpt2_130m_softmax1_orthoadam.toml"
+    for old in ("seed000_gpt2_130m_softmax1_orthoadam", "train_configs/seed000_gpt2_130m_softmax1_orthoadam.toml",
+                str(configs_dir() / "seed000_gpt2_130m_softmax1_orthoadam.toml")):
+        assert resolve_config(old) == new, old
+        assert capsys.readouterr().err == ("note: config seed000_gpt2_130m_softmax1_orthoadam.toml is now "
+                                           "kaul2024_gpt2_130m_softmax1_orthoadam.toml; the old name is deprecated\n")
+    assert resolve_config("seed002_op_soap") == configs_dir() / "he2024_op_soap.toml"
+    assert resolve_config("seed001_angpt_125m") == configs_dir() / "franke2025_angpt_125m.toml"
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text(f'base = "{configs_dir()}/seed001_angpt_125m.toml"\nseeds = [0]\n')
+    assert load_sweep(sweep).base == configs_dir() / "franke2025_angpt_125m.toml"
 
 
 def test_checkout_configs_are_the_packaged_configs():

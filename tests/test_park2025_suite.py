@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from outlier_titan.observe.logger import read_metrics
-from outlier_titan.study.papers import SUITE_INFO
-from outlier_titan.study.claims import CLAIMS, claims_park2025
-from outlier_titan.study.groups import aggregate, fmt
-from outlier_titan.study.reproduce import suite_file
+from outlier_titan.study.suites import SUITE_INFO, SUITES
+from outlier_titan.study.suites.park2025 import claims as claims_park2025
+from outlier_titan.study.groups import aggregate, format_value
+from outlier_titan.study.suite_files import suite_file
 from outlier_titan.study.spec import load_sweep
 from outlier_titan.study.stats import VERDICTS, estimate
 
@@ -58,7 +58,7 @@ def _verdicts(**over):
 
 
 def test_park_verdicts_follow_the_spread_over_seeds():
-    assert CLAIMS["park2025"] is claims_park2025
+    assert SUITES["park2025"].claims is claims_park2025
     claims = claims_park2025(_groups(**_base()))
     assert len(claims) == 8 and all(v == "reproduced" for _, v, _ in claims), claims
     assert "ratio 400" in claims[0][2] and "Welch t-test" in claims[0][2]  # 200 / 0.5
@@ -124,7 +124,7 @@ def test_park2025_smoke_report_comes_from_the_runs(tmp_path):
             if len(cells) > 3 and cells[2] == p.name:
                 for metric, cell in zip(info.metrics, cells[3:]):
                     if metric in ours:
-                        assert cell.split(" / ")[1] == fmt(estimate([ours[metric]])), (p.name, metric, cell)
+                        assert cell.split(" / ")[1] == format_value(estimate([ours[metric]])), (p.name, metric, cell)
     # the paper's numbers beside ours: Adam's 1818.56 and OSP's 0.04 (abstract)
     assert re.search(r"\| 1\.4B, 100B tokens, Adam \| .* \| adam \| .*1819 / ", report)
     assert re.search(r"\| 1\.4B, 100B tokens, Muon \+ SSNorm \+ EmbProj \(OSP\) \| .* \| osp \| .*0\.04 / ", report)
@@ -142,7 +142,7 @@ def test_the_report_states_block_muons_grid(tmp_path):
     blocks per matrix class (for 4 shards: 64-row blocks of wq and w1, 64-column blocks of wo and w2) and says
     block_periodic's whole-matrix period; the full-Muon and Adam points add no grid line."""
     from outlier_titan.study.plan import build_manifest
-    from outlier_titan.study.reproduce import tile_grid_section
+    from outlier_titan.study.report_sections import tile_grid_section
 
     manifest = build_manifest(load_sweep(REPO / "train_configs/suites/park2025/cpu.toml"), tmp_path)
     lines = [line for line in tile_grid_section(manifest) if line]

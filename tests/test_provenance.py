@@ -9,9 +9,11 @@ import subprocess
 import pytest
 
 from outlier_titan import __version__, provenance
-from outlier_titan.study.papers import FOUR_BIT_SCHEMES, SUITE_INFO
+from outlier_titan.study.suites import SUITE_INFO
+from outlier_titan.study.suites.base import FOUR_BIT_SCHEMES
 from outlier_titan.study.facts import evaluated_by, evaluation_updates, trained_by
-from outlier_titan.study.reproduce import _evaluated, ptq_table
+from outlier_titan.study.evaluations import is_evaluated
+from outlier_titan.study.report_sections import ptq_table
 from outlier_titan.study.results import collect
 from outlier_titan.study.stats import estimate
 
@@ -92,12 +94,12 @@ def test_report_states_the_schemes_re_run_into_the_evaluation_reports(tmp_path):
 
 def test_an_evaluation_missing_a_scheme_runs_again(tmp_path):
     report = tmp_path / "step-10.json"
-    assert not _evaluated(report, ("int8_fine",))
+    assert not is_evaluated(report, ("int8_fine",))
     report.write_text(json.dumps({"schemes": [{"scheme": "int8_fine"}]}))
-    assert _evaluated(report, ("int8_fine",))
-    assert not _evaluated(report, ("int8_fine", "w4a4kv4_rtn"))  # an older suite file's evaluation
+    assert is_evaluated(report, ("int8_fine",))
+    assert not is_evaluated(report, ("int8_fine", "w4a4kv4_rtn"))  # an older suite file's evaluation
     report.write_text("{truncated")
-    assert not _evaluated(report, ("int8_fine",))
+    assert not is_evaluated(report, ("int8_fine",))
 
 
 def test_every_suite_adds_the_4bit_rows_marked_as_added():

@@ -1,4 +1,4 @@
-"""Damaged, mismatched or unwritable checkpoints and run folders, divergence and careless reuse (issue 11): each
+"""Damaged, mismatched or unwritable checkpoints and run folders, divergence and careless reuse: each
 case ends in one clear line and a known exit code, and never changes an existing checkpoint or run record."""
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def flip(path: Path, offset: int, n: int = 4096) -> None:
 
 @pytest.mark.parametrize("damaged", [["step-4"], ["step-2", "step-4"]])
 def test_flipped_bytes_in_a_shard_are_refused_and_set_aside(copy, damaged):
-    """Issue 29: bytes flipped inside a shard (same size, unpickles fine) are caught by the checksums saved with
+    """Bytes flipped inside a shard (same size, unpickles fine) are caught by the checksums saved with
     the checkpoint: one WARNING line per checkpoint, moved aside untouched, and the run resumes from the
     previous checkpoint (or from scratch when none is left)."""
     run_dir, args = copy

@@ -18,12 +18,13 @@ import torch
 from outlier_titan.data.tokenizer import EMBEDDED_BPE
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.provenance import code_version
-from outlier_titan.study.papers import SUITE_INFO
+from outlier_titan.study.suites import SUITE_INFO
 from outlier_titan.study.stats import VERDICTS, estimate
 from outlier_titan.study import stats
-from outlier_titan.study.claims import claims_he
-from outlier_titan.study.groups import aggregate, fmt
-from outlier_titan.study.reproduce import suite_file, tokens_to_reach
+from outlier_titan.study.suites.he2024 import claims as claims_he
+from outlier_titan.study.groups import aggregate, format_value
+from outlier_titan.study.suite_files import suite_file
+from outlier_titan.study.suites.franke2025 import tokens_to_reach
 from outlier_titan.study.spec import load_sweep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,7 +103,7 @@ def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path, request):
         for cells in _comparison_cells(report, p.name):
             for metric, cell in zip(info.metrics, cells):
                 if metric in ours:
-                    assert cell.split(" / ")[1] == fmt(estimate([ours[metric]])), (p.name, metric, cell)
+                    assert cell.split(" / ")[1] == format_value(estimate([ours[metric]])), (p.name, metric, cell)
     # one computed verdict per claim, each with its numbers; one seed gives no interval, so no claim is decided
     verdicts = re.findall(rf"^- \*\*({'|'.join(VERDICTS)})\*\* at [^—]* parameters and [^—]* tokens a point of "
                           rf"[^—]* — (.*)$", report, re.M)
@@ -251,7 +252,7 @@ def _franke_groups(speedups):
 
 
 def test_franke_seeds_that_never_reach_the_target_are_not_dropped():
-    from outlier_titan.study.claims import claims_franke
+    from outlier_titan.study.suites.franke2025 import claims as claims_franke
 
     assert claims_franke(_franke_groups([1.5, 1.6, 1.4]))[0][1] == "reproduced"
     # one seed never reaches GPT+'s loss: its speed-up is below 1; dropping it would leave a clean 1.5 ± 0.07
@@ -264,12 +265,12 @@ def test_aggregate_gives_mean_and_sample_sd_per_setting_in_seed_order():
     groups = _he_rows([1.0, 2.0, 3.0], [4.0, 4.0, 4.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
     assert [g["point"] for g in groups] == ["pre_ln_adamw", "op_soap"] and groups[0]["seeds"] == [0, 1, 2]
     e = groups[0]["peak_kurtosis_neuron_rms"]
-    assert (e.mean, e.sd, e.values) == (2.0, 1.0, (1.0, 2.0, 3.0)) and fmt(e) == "2 ± 1"
+    assert (e.mean, e.sd, e.values) == (2.0, 1.0, (1.0, 2.0, 3.0)) and format_value(e) == "2 ± 1"
     assert stats.interval(e) == pytest.approx((2.0 - 4.302653 / 3 ** 0.5, 2.0 + 4.302653 / 3 ** 0.5), rel=1e-6)
 
 
 def test_tile_study_section_judges_each_tile_edge_and_draws_the_figure(tmp_path):
-    from outlier_titan.study.reproduce import tile_study_section
+    from outlier_titan.study.report_sections import tile_study_section
 
     rows = []
     for name, tile, kurt in (("adam", 0, [30, 32, 28]), ("orthoadam", 0, [3.0, 3.2, 2.9]),
@@ -396,7 +397,7 @@ def test_adopt_refuses_a_folder_that_is_not_a_report(tmp_path):
 def test_anatomy_section_summarises_the_copied_anatomy_of_each_point(tmp_path):
     """A point whose run folder holds scripts/anatomy.py's output gets a row: per checkpoint the largest |x| with
     its block and the most large entries per sequence over the blocks; points without one get none."""
-    from outlier_titan.study.reproduce import anatomy_section
+    from outlier_titan.study.report_sections import anatomy_section
 
     def block(max_abs, per_sequence):
         return {"max_abs": max_abs, "per_sequence": per_sequence}
@@ -409,5 +410,5 @@ def test_anatomy_section_summarises_the_copied_anatomy_of_each_point(tmp_path):
     assert anatomy_section(tmp_path, [{"point": "pre_ln_adamw_s0"}]) == []
     lines = anatomy_section(tmp_path, [{"point": "op_soap_s0"}, {"point": "pre_ln_adamw_s0"}])
     rows = [ln for ln in lines if ln.startswith("| [")]
-    assert rows == [f"| [op_soap_s0](runs/op_soap_s0/anatomy.md) | 100 | 100: {fmt(85.0)} (0), {fmt(3.0)}; "
-                    f"200: {fmt(12.0)} (1), {fmt(0.5)} |"]
+    assert rows == [f"| [op_soap_s0](runs/op_soap_s0/anatomy.md) | 100 | 100: {format_value(85.0)} (0), {format_value(3.0)}; "
+                    f"200: {format_value(12.0)} (1), {format_value(0.5)} |"]

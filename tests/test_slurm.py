@@ -178,7 +178,7 @@ def test_an_exit_file_left_by_an_earlier_job_of_the_same_id_is_not_taken_for_thi
 
 
 def test_a_stray_sigterm_to_the_job_step_requeues_and_never_completes_early(tmp_path, reference):
-    """Issue 29: a SIGTERM that reaches the job step but not the batch script (as Slurm's retried signal for a
+    """A SIGTERM that reaches the job step but not the batch script (as Slurm's retried signal for a
     dead node's step does after a requeue) makes the ranks save and exit 75; multinode.slurm did not ask for
     that stop, so it requeues instead of ending COMPLETED with steps missing; the run then finishes exactly."""
     job_id = sbatch(tmp_path, "a", STEPS)
@@ -226,7 +226,7 @@ def test_sweep_job_array_equals_run_local(tmp_path):
 
 
 def test_a_job_that_can_never_run_is_reported_at_once(tmp_path):
-    """Issue 29: more CPUs per task than any node has leaves a Slurm job PENDING forever (reason
+    """More CPUs per task than any node has leaves a Slurm job PENDING forever (reason
     PartitionConfig); the sweep engine reports it with one line and exit 2 within seconds, and cancels it."""
     from tests.test_sweep import THREE, write
     from tests.test_sweep import cli as sweep

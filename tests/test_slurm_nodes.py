@@ -90,7 +90,7 @@ def job_state(job_id: str) -> str:
 
 
 def test_two_nodes_one_rank_each_equal_the_standalone_launcher(tmp_path, reference):
-    """Issue 29: multinode.slurm on 2 nodes x 1 rank (rendezvous over the bridge at the first node's NodeAddr)
+    """Multinode.slurm on 2 nodes x 1 rank (rendezvous over the bridge at the first node's NodeAddr)
     gives the losses of ``python -m outlier_titan.launch --standalone --nproc_per_node 2`` bit for bit, and
     its start-up line shows each rank on its own host."""
     job_id = sbatch(tmp_path, "a")
@@ -107,7 +107,7 @@ def test_two_nodes_one_rank_each_equal_the_standalone_launcher(tmp_path, referen
 
 @pytest.mark.parametrize("absence_s", [5, 45])
 def test_a_node_that_dies_and_comes_back_costs_a_requeue_not_the_run(tmp_path, reference, absence_s):
-    """Issue 29: node2 dies mid-run (every process killed at once); its slurmd is back 5 s later (before Slurm
+    """Node2 dies mid-run (every process killed at once); its slurmd is back 5 s later (before Slurm
     would mark it DOWN, SlurmdTimeout 30 s) or 45 s later (after). Rank 0 fails (exit 1), srun keeps waiting for
     node2's lost task, the script's watchdog ends srun STEP_GRACE_S later, the job requeues (and waits for node2),
     resumes from the newest checkpoint and ends COMPLETED with every step done and the uninterrupted run's loss at
@@ -137,7 +137,7 @@ def test_a_node_that_dies_and_comes_back_costs_a_requeue_not_the_run(tmp_path, r
 
 
 def test_hsdp_with_soap_across_nodes_equals_one_host(tmp_path):
-    """Issue 29: HSDP with the replicas on different nodes (dp_replicate 2 over node1 / node2, dp_shard 2 inside
+    """HSDP with the replicas on different nodes (dp_replicate 2 over node1 / node2, dp_shard 2 inside
     each) and SOAP (its preconditioners beside the shards) give the losses of the same 4 ranks on one host."""
     extra = ("--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", "--optimizer.name", "soap",
              "--training.steps", "8")
@@ -151,7 +151,7 @@ def test_hsdp_with_soap_across_nodes_equals_one_host(tmp_path):
 
 
 def test_usr1_before_the_time_limit_saves_on_both_nodes_and_requeues(tmp_path, reference):
-    """Issue 29: Slurm's warning signal (USR1 to the batch script, as --signal=B:USR1@N sends it) reaches the
+    """Slurm's warning signal (USR1 to the batch script, as --signal=B:USR1@N sends it) reaches the
     ranks on both nodes, which save one checkpoint at the same step and exit 75; the job requeues, resumes from
     it and ends COMPLETED with the uninterrupted run's losses."""
     job_id = sbatch(tmp_path, "a")
@@ -173,7 +173,7 @@ def test_usr1_before_the_time_limit_saves_on_both_nodes_and_requeues(tmp_path, r
 
 
 def test_sweep_array_points_span_two_nodes(tmp_path):
-    """Issue 29: ``sweep run --slurm --nodes 2`` runs each array point as one job on two nodes (one launcher per
+    """``sweep run --slurm --nodes 2`` runs each array point as one job on two nodes (one launcher per
     node, rendezvous on the first); the points finish and collect to the table of ``run --local --nproc 2``."""
     from tests.test_sweep import BASE, TINY, assert_same_values, read_csv, write
     from tests.test_sweep import cli as sweep

@@ -11,7 +11,7 @@ from outlier_titan.models.registry import build_meta_model
 from outlier_titan.models.roles import roles_of
 from outlier_titan.optim.builder import build_param_groups
 from outlier_titan.optim.tile_optimizers import tile_plans
-from outlier_titan.study.reproduce import SUITES
+from outlier_titan.study.suites import SUITES
 from outlier_titan.study.spec import _vocab_size, load_sweep
 from tests.launch import REPO
 
@@ -57,7 +57,8 @@ def test_the_tile_study_shares_its_baseline_and_whole_axis_points_with_the_cpu_s
     """Their configs equal the cpu suite's (checkpointing aside), so ``--adopt reports/<suite>-cpu`` takes them
     instead of training them twice; the tiled points are the study's own."""
     from outlier_titan.study.plan import _config_diff, build_manifest
-    from outlier_titan.study.reproduce import ADOPT_IGNORES, suite_file
+    from outlier_titan.study.adopt import ADOPT_IGNORES
+    from outlier_titan.study.suite_files import suite_file
 
     cpu = [e["config"] for e in build_manifest(load_sweep(suite_file(suite, "cpu")), tmp_path)["points"]]
     shared = set()

@@ -77,7 +77,7 @@ class Scheme:
     head: bool  # quantise an untied LM head
     calibrate: bool = False
     quantize_residual: bool = False  # static only: the residual stream at block boundaries (He et al. 2024)
-    # --- 4-bit schemes (issue 27) ---
+    # --- 4-bit schemes ---
     act_bits: int = 8  # dynamic activation quantisers: symmetric absmax at this width
     kv_bits: int | None = None  # K and V after RoPE: asymmetric per head, token and group of kv_group channels
     kv_group: int | None = None  # None: the whole head dim

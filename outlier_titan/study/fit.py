@@ -255,12 +255,13 @@ def read_table(path: str | Path) -> tuple[list[str], list[dict[str, str]]]:
     return header, rows
 
 
-def _require(header: list[str], col: str, flag: str, path) -> None:
+def _require_column(header: list[str], col: str, flag: str, path) -> None:
     if col not in header:
         raise UserError(f"{path}: no column '{col}' ({flag}); columns: {', '.join(header)}")
 
 
-def _num(value: str) -> float:
+def _float_or_nan(value: str) -> float:
+    """A table cell as a float; NaN where it is empty or not a number."""
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -362,7 +363,7 @@ def fit_table(path, *, loss: str = "best_val_loss", compute: str = "flops", para
     for col, flag in ((loss, "--loss"), (compute, "--compute"), (params, "--params"), (tokens, "--tokens"),
                       (family, "--family"), (hparam, "--hparam")):
         if col is not None:
-            _require(header, col, flag, path)
+            _require_column(header, col, flag, path)
     if bins is not None and bins < MIN_BINS:
         raise UserError(f"--bins must be at least {MIN_BINS} (a power law with an interval needs 3 points), "
                         f"got {bins}")
@@ -376,7 +377,7 @@ def fit_table(path, *, loss: str = "best_val_loss", compute: str = "flops", para
         if "status" in header and r.get("status") != "done":
             skipped["not done"] += 1
             continue
-        vals = [_num(r.get(c)) for c in (loss, compute, params, tokens)]
+        vals = [_float_or_nan(r.get(c)) for c in (loss, compute, params, tokens)]
         if not all(math.isfinite(v) and v > 0 for v in vals):
             skipped["missing values"] += 1
             continue
@@ -385,8 +386,8 @@ def fit_table(path, *, loss: str = "best_val_loss", compute: str = "flops", para
     groups: dict[str, list[dict]] = {}
     for key, losses in repeats.items():
         r = dict(zip(config_cols, key))
-        v = {"loss": float(np.mean(losses)), "compute": _num(r[compute]), "params": _num(r[params]),
-             "tokens": _num(r[tokens]), "hparam": _num(r[hparam]) if hparam else float("nan"),
+        v = {"loss": float(np.mean(losses)), "compute": _float_or_nan(r[compute]), "params": _float_or_nan(r[params]),
+             "tokens": _float_or_nan(r[tokens]), "hparam": _float_or_nan(r[hparam]) if hparam else float("nan"),
              "repeats": len(losses)}
         groups.setdefault((r.get(family) or "(empty)") if family else "all", []).append(v)
     used = sum(v["repeats"] for g in groups.values() for v in g)
@@ -431,93 +432,3 @@ def fit_table(path, *, loss: str = "best_val_loss", compute: str = "flops", para
                 result.ztests.append({"a": fams[i].name, "b": fams[j].name, "exponent": what,
                                       "diff": abs(a.exponent - b.exponent), "z": abs(z), "p": p})
     return result
-
-
-# ---------------------------------------------------------------------------------------------- reports
-
-
-def _law_dict(law: PowerLaw, coef: str, exp: str, negate: bool = False) -> dict:
-    iv = law.intervals()
-    s = -1.0 if negate else 1.0
-    elo, ehi = sorted((s * iv["exponent"][0], s * iv["exponent"][1]))
-    out = {coef: {"value": law.coef, "lo": iv["coef"][0], "hi": iv["coef"][1]},
-           exp: {"value": s * law.exponent, "lo": elo, "hi": ehi, "var": law.exponent_var},
-           "points": law.n, "dof": law.dof, "rmse_log": law.rmse_log}
-    if law.irreducible:
-        out["E"] = {"value": law.offset, "lo": iv["offset"][0], "hi": iv["offset"][1]}
-    return out
-
-
-def to_json(res: FitResult) -> dict:
-    """A JSON-ready summary: fitted constants with their 95% intervals per family, frontier points, z-tests."""
-    fams = {}
-    for f in res.families:
-        d = {"points": int(len(f.compute)), "bins": f.bins,
-             "frontier": [{"compute": float(f.compute[i]), "loss": float(f.loss[i]), "params": float(f.params[i]),
-                           "tokens": float(f.tokens[i])} for i in f.front],
-             "loss": _law_dict(f.loss_law, "A0", "alpha", negate=True),
-             "n_opt": _law_dict(f.n_opt, "N0", "alpha_N"),
-             "d_opt": _law_dict(f.d_opt, "D0", "alpha_D")}
-        if f.hparam is not None:
-            d["hparam"] = dict(f.hparam, law=_law_dict(f.hparam_law, "h0", "exponent"))
-        fams[f.name] = d
-    return {"table": res.table, "columns": res.columns,
-            "bins": res.bins if res.bins else f"default: max({MIN_BINS}, points // 3) per family",
-            "rows_used": res.rows_used, "configurations": res.configs,
-            "rows_skipped": res.rows_skipped, "form": "E + A0*C^-alpha" if res.irreducible else "A0*C^-alpha",
-            "intervals": f"bootstrap ({res.bootstrap} resamples, percentiles)" if res.bootstrap
-            else "delta method, t quantile with n-p dof", "level": LEVEL, "families": fams, "ztests": res.ztests}
-
-
-def _g(v: float) -> str:
-    return f"{v:.4g}"
-
-
-def _iv(d: dict) -> str:
-    return f"{_g(d['value'])} [{_g(d['lo'])}, {_g(d['hi'])}]"
-
-
-def to_markdown(res: FitResult) -> str:
-    """The fit report as markdown (the same numbers as ``to_json``)."""
-    j = to_json(res)
-    c = res.columns
-    lines = [f"# Scaling-law fit of `{res.table}`", "",
-             f"Loss `{c['loss']}` against compute `{c['compute']}`; {res.rows_used} rows used "
-             f"({res.rows_skipped['not done']} not done, {res.rows_skipped['missing values']} with missing values "
-             f"skipped), {res.configs} configurations after averaging seeds; minimum loss per log-spaced compute "
-             f"bin (bins per family below); fits in log space; "
-             f"95% intervals: {j['intervals']}.", "",
-             f"## Loss: L(C) = {j['form'].replace('*', '·')}", ""]
-    head = "| family | points | bins | frontier | A0 | alpha |" + (" E |" if res.irreducible else "") + " rmse (log) |"
-    lines += [head, "|" + "---|" * (head.count("|") - 1)]
-    for name, f in j["families"].items():
-        lo = f["loss"]
-        lines.append(f"| {name} | {f['points']} | {f['bins']} | {len(f['frontier'])} | {_iv(lo['A0'])} | "
-                     f"{_iv(lo['alpha'])} |"
-                     + (f" {_iv(lo['E'])} |" if res.irreducible else "") + f" {lo['rmse_log']:.3g} |")
-    lines += ["", "## Compute-optimal allocation: N_opt(C) = N0·C^alpha_N, D_opt(C) = D0·C^alpha_D", "",
-              "| family | N0 | alpha_N | D0 | alpha_D |", "|---|---|---|---|---|"]
-    for name, f in j["families"].items():
-        lines.append(f"| {name} | {_iv(f['n_opt']['N0'])} | {_iv(f['n_opt']['alpha_N'])} | "
-                     f"{_iv(f['d_opt']['D0'])} | {_iv(f['d_opt']['alpha_D'])} |")
-    exact = [f"{name} {what}" for name, f in j["families"].items() for what in ("n_opt", "d_opt")
-             if f[what]["rmse_log"] < 1e-9]
-    if exact:
-        lines += ["", f"Exact fits ({', '.join(exact)}): the frontier points lie on one power law by construction "
-                  "(e.g. all at the same tokens per parameter), so the exponent is set by the sweep's design and "
-                  "its zero-width interval carries no information."]
-    if res.ztests:
-        lines += ["", "## Equal exponents (two-sided z-test)", "", "| a | b | exponent | abs diff | z | p |",
-                  "|---|---|---|---|---|---|"]
-        for t in res.ztests:
-            lines.append(f"| {t['a']} | {t['b']} | {t['exponent']} | {t['diff']:.4g} | {t['z']:.3f} | {t['p']:.4f} |")
-    if c["hparam"]:
-        lines += ["", f"## Optimum of `{c['hparam']}` per size: h_opt(N) = h0·N^exponent", ""]
-        for name, f in j["families"].items():
-            h = f["hparam"]
-            lines += [f"**{name}**: h0 = {_iv(h['law']['h0'])}, exponent = {_iv(h['law']['exponent'])}", "",
-                      "| params | optimum | loss | values | how |", "|---|---|---|---|---|"]
-            lines += [f"| {_g(r['params'])} | {_g(r['optimum'])} | {r['loss']:.4f} | {r['values']} | {r['how']} |"
-                      for r in h["sizes"]]
-            lines.append("")
-    return "\n".join(lines).rstrip() + "\n"

@@ -49,20 +49,20 @@ def aggregate(rows: list[dict[str, Any]], axes: list[str]) -> list[dict[str, Any
     return out
 
 
-def matches(row: dict[str, Any], sel: dict[str, Any]) -> bool:
-    return all(row.get(k) == v for k, v in sel.items())
+def matches(row: dict[str, Any], axes: dict[str, Any]) -> bool:
+    return all(row.get(k) == v for k, v in axes.items())
 
 
-def select(rows: list[dict[str, Any]], sel: dict[str, Any]) -> dict[str, Any] | None:
-    """The first point (manifest order) whose axes equal ``sel``; points of a suite that vary other axes (e.g.
+def first_match(rows: list[dict[str, Any]], axes: dict[str, Any]) -> dict[str, Any] | None:
+    """The first point (manifest order) whose axes equal ``axes``; points of a suite that vary other axes (e.g.
     a learning-rate lever) contribute their first value."""
     for r in rows:
-        if matches(r, sel):
+        if matches(r, axes):
             return r
     return None
 
 
-def fmt(v: Any) -> str:
+def format_value(v: Any) -> str:
     """How every number appears in the report (the test parses the same format): mean ± sd over seeds for an
     :class:`Estimate`."""
     if v is None:

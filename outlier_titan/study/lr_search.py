@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from outlier_titan.errors import UserError
-from outlier_titan.study.groups import fmt, num
+from outlier_titan.study.groups import format_value, num
 
 CHOICE_FILE = "lr_choice.json"
 
@@ -70,8 +70,8 @@ def section(choice: dict[str, Any], out: Path) -> list[str]:
     for s in choice["settings"]:
         name = ", ".join(f"{a}={v}" for a, v in s["setting"].items()) or "the only setting"
         cells = "; ".join(", ".join(f"{g['values'][a]:g}" if isinstance(g["values"][a], float)
-                                    else str(g["values"][a]) for a in tuned) + f": {fmt(g['final_val_loss'])}"
-                          + (f" ({fmt(g.get(shown))})" if shown else "") for g in s["grid"])
+                                    else str(g["values"][a]) for a in tuned) + f": {format_value(g['final_val_loss'])}"
+                          + (f" ({format_value(g.get(shown))})" if shown else "") for g in s["grid"])
         chosen = ", ".join(f"{a.split('.')[-1]} {v:g}" if isinstance(v, float) else f"{a.split('.')[-1]} {v}"
                            for a, v in s["chosen"].items())
         lines.append(f"| {name} | {cells} | {chosen}" + (" (at the grid's edge)" if s["at_edge"] else "") + " |")

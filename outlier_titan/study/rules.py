@@ -63,7 +63,7 @@ Claim = tuple[str, str, str]
 """(the claim, its verdict (one of :data:`stats.VERDICTS`), the numbers and the test that decided it)."""
 
 
-def get(group: dict[str, Any] | None, key: str) -> Estimate | None:
+def estimate_of(group: dict[str, Any] | None, key: str) -> Estimate | None:
     """A group's metric as an :class:`Estimate`, or None."""
     v = (group or {}).get(key)
     return v if isinstance(v, Estimate) else None
@@ -72,7 +72,7 @@ def get(group: dict[str, Any] | None, key: str) -> Estimate | None:
 def paired_relative(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str) -> Estimate | None:
     """(b − a) / a per seed that both groups ran (same seed: same initialisation and data order); None unless
     both ran the same seeds and have the metric at each."""
-    ea, eb = get(a, key), get(b, key)
+    ea, eb = estimate_of(a, key), estimate_of(b, key)
     if ea is None or eb is None or a["seeds"] != b["seeds"] or ea.n != len(a["seeds"]) or eb.n != len(b["seeds"]):
         return None
     return estimate((y - x) / x for x, y in zip(ea.values, eb.values))
@@ -99,7 +99,7 @@ def reduction(text: str, base: dict[str, Any] | None, rem: dict[str, Any] | None
               factor: Threshold = REDUCTION_FACTOR, with_loss: bool = True) -> Claim:
     """"``metric`` of the baseline ≥ factor × the remedy's [at a loss at most LOSS_COST above the baseline's]",
     gated on the baseline's own effect (:data:`EFFECT_FLOORS`)."""
-    b, r = get(base, metric), get(rem, metric)
+    b, r = estimate_of(base, metric), estimate_of(rem, metric)
     if b is None or r is None:
         return text, stats.MISSING, "a point or its metric is missing"
     floor = EFFECT_FLOORS[metric]
@@ -117,7 +117,7 @@ def reduction(text: str, base: dict[str, Any] | None, rem: dict[str, Any] | None
 def ptq_reduction(text: str, base: dict[str, Any] | None, rem: dict[str, Any] | None, key: str) -> Claim:
     """"The remedy's Δppl is below 1 / :data:`PTQ_FACTOR` of the baseline's", testable only where the baseline's
     Δppl interval lies above :data:`PTQ_FLOOR` of its PPL; both arms' Δppl and PPL are printed either way."""
-    b, r, pb, pr = get(base, key), get(rem, key), get(base, "ppl"), get(rem, "ppl")
+    b, r, pb, pr = estimate_of(base, key), estimate_of(rem, key), estimate_of(base, "ppl"), estimate_of(rem, "ppl")
     if b is None or r is None or pb is None:
         return text, stats.MISSING, "an evaluation report is missing"
     share = (lambda d, p: f" ({100 * d.mean / p.mean:.2g} % of its PPL {p.text()})" if p else "")  # noqa: E731

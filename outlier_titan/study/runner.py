@@ -90,7 +90,7 @@ def run_is_complete(metrics: Path, entry: dict[str, Any]) -> bool:
 def is_finished(folder: Path, entry: dict[str, Any]) -> bool:
     """True when the run folder holds the whole run (:func:`run_is_complete`) and its final checkpoint when
     checkpoints are enabled; a point adopted from another machine's report (``adopted_from`` in its state, see
-    ``study.reproduce.adopt_points``) has its logs and evaluation but no checkpoint."""
+    ``study.adopt.adopt_points``) has its logs and evaluation but no checkpoint."""
     if not run_is_complete(folder / "metrics.jsonl", entry):
         return False
     if (point_config(entry).get("checkpoint", {}).get("enable", False)

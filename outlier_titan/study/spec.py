@@ -36,7 +36,7 @@ from typing import Any
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import ConfigError, load_toml, parse_args, set_values, to_toml, validate
 from outlier_titan.errors import UserError
-from outlier_titan.packaged import resolve_config
+from outlier_titan.packaged import renamed_config, resolve_config
 from outlier_titan.plugins import load_plugins
 
 TOP_KEYS = ("base", "name", "seeds", "tokens_per_param", "budget_params", "fixed", "grid", "zip", "slurm", "lr_choice", "lr_from")
@@ -175,6 +175,7 @@ def load_sweep(path: str | Path) -> Sweep:
     if "base" not in raw or not isinstance(raw["base"], str):
         raise SweepError(f"{where}: 'base' (the train config path, relative to the sweep file) is required")
     base = (path.parent / raw["base"]).resolve()
+    base = base if base.is_file() else renamed_config(base) or base
     if not base.is_file():
         raise SweepError(f"{where}: base config {raw['base']!r} not found (looked at {base})")
     for key, kind in (("fixed", dict), ("grid", dict), ("slurm", dict), ("name", str), ("budget_params", str),

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from outlier_titan import cli
 from outlier_titan.errors import UserError
-from outlier_titan.study.fit import MIN_BINS, fit_table, to_json, to_markdown
+from outlier_titan.study.fit import MIN_BINS, fit_table
+from outlier_titan.study.fit_report import to_json, to_markdown
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

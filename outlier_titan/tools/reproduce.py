@@ -34,7 +34,8 @@ from outlier_titan import cli
 from outlier_titan.errors import UserError
 from outlier_titan.packaged import child_environment
 from outlier_titan.plugins import PLUGINS_HELP, take_plugins
-from outlier_titan.study.reproduce import SCALES, SUITES
+from outlier_titan.study.suite_files import SCALES
+from outlier_titan.study.suites import SUITE_NAMES
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -42,7 +43,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plugins", metavar="A,B", help=PLUGINS_HELP)
-    p.add_argument("--suite", required=True, choices=SUITES)
+    p.add_argument("--suite", required=True, choices=SUITE_NAMES)
     p.add_argument("--scale", required=True, choices=SCALES)
     p.add_argument("--out", default=None, help="report folder (default reports/<suite>-<scale>)")
     p.add_argument("--sweep-dir", default=None, help="run folders (default outputs/reproduce/<suite>-<scale>)")
@@ -74,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from outlier_titan.study.plan import plan_table, read_manifest, write_plan
-    from outlier_titan.study.reproduce import build_report, gpu_dry_run, suite_file, suite_sweep
+    from outlier_titan.study.gpu_plan import gpu_dry_run
+    from outlier_titan.study.reproduce import build_report
+    from outlier_titan.study.suite_files import suite_file, suite_sweep
 
     if args.parallel < 1:
         raise UserError(f"--parallel must be at least 1, got {args.parallel}")
@@ -102,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
         manifest, _ = write_plan(suite_sweep(args.suite, args.scale), sweep_dir, force=args.force)
         print(plan_table(manifest), file=sys.stderr)
     if args.adopt:
-        from outlier_titan.study.papers import SUITE_INFO
-        from outlier_titan.study.reproduce import adopt_points
+        from outlier_titan.study.adopt import adopt_points
+        from outlier_titan.study.suites import SUITE_INFO
 
         for src in args.adopt:
             # --report-only --adopt R --out R re-renders R from its own runs, as they were evaluated
