@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from outlier_titan.observe import metrics
 from outlier_titan.study.evaluations import eval_report, evaluate_points
 from outlier_titan.study.groups import num
 from outlier_titan.study.plan import point_dir
@@ -32,8 +33,7 @@ def add_report_metrics(suite: str, rows: list[dict[str, Any]], sweep_dir: Path, 
         rep = eval_report(point_dir(sweep_dir, e["name"]), e["steps"])
         r["ppl"] = num((rep or {}).get("full_precision", {}).get("ppl"))
         r["first_share"] = r.get("final_first_token_argmax_share")
-        for m in ("kurtosis_first", "kurtosis_rest", "max_abs_first", "max_abs_rest", "kurtosis_neuron_rms",
-                  "sink_rate", "sink_rate_pooled", "massive_ratio", "value_drain"):
+        for m in metrics.shown("collect"):  # the probe's registered metrics at the last probe step
             r[m] = r.get(f"final_{m}")
         r["d_int4"] = r.get("ptq_delta_ppl_int4_zeropoint")
         r["d_int8_coarse"] = r.get("ptq_delta_ppl_int8_coarse")
