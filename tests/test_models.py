@@ -76,10 +76,10 @@ def test_franke2025_parameter_counts_match_table_f1(size):
     assert meta_count("pre_ln", f"gptplus_{size}", 50304) == pytest.approx(gp, rel=1e-3)
 
 
-def test_seed000_flavors_have_the_papers_sizes_and_settings():
-    nominal = {"seed000_gpt2_60m": (60e6, 50304), "seed000_gpt2_130m": (130e6, 50304),
-               "seed000_gpt2_350m": (350e6, 50304), "seed000_gpt2_1.4b": (1.4e9, 50304),
-               "seed000_llama2_130m": (130e6, 32000)}
+def test_kaul2024_flavors_have_the_papers_sizes_and_settings():
+    nominal = {"kaul2024_gpt2_60m": (60e6, 50304), "kaul2024_gpt2_130m": (130e6, 50304),
+               "kaul2024_gpt2_350m": (350e6, 50304), "kaul2024_gpt2_1.4b": (1.4e9, 50304),
+               "kaul2024_llama2_130m": (130e6, 32000)}
     for flavor, (n, vocab) in nominal.items():
         assert meta_count("pre_ln", flavor, vocab) == pytest.approx(n, rel=0.05), flavor
         _, args, model = build("pre_ln", meta=True, vocab=vocab, flavor=flavor)
@@ -90,7 +90,8 @@ def test_seed000_flavors_have_the_papers_sizes_and_settings():
 
 
 def test_train_configs_parse_and_build():
-    files = sorted((REPO / "train_configs").glob("seed00*.toml")) + [REPO / "train_configs" / "ngpt_0.5b.toml"]
+    files = sorted(f for prefix in ("kaul2024_", "franke2025_", "he2024_")
+                   for f in (REPO / "train_configs").glob(f"{prefix}*.toml")) + [REPO / "train_configs" / "ngpt_0.5b.toml"]
     assert len(files) >= 10
     for f in files:
         cfg = parse_args(["--config", str(f)])
@@ -375,3 +376,16 @@ def test_spec_options_are_declared_once_by_their_spec_and_composed_into_model():
     text = help_text()
     assert "  -- options of model spec 'op':\n  --model.block " in text
     assert "--model.alpha_abs                default (ngpt: True, angpt: False)" in text
+
+
+def test_an_old_flavor_name_is_an_alias_with_a_note(capsys):
+    from outlier_titan.config.job_config import Model as ModelConfig
+
+    _, new = model_args(ModelConfig(name="pre_ln", flavor="kaul2024_gpt2_60m"), 50304, 64)
+    capsys.readouterr()
+    _, old = model_args(ModelConfig(name="pre_ln", flavor="seed000_gpt2_60m"), 50304, 64)
+    assert old == new
+    assert capsys.readouterr().err == ("note: model.flavor 'seed000_gpt2_60m' of 'pre_ln' is now 'kaul2024_gpt2_60m'; "
+                                       "the old name is deprecated\n")
+    with pytest.raises(ConfigError, match="'nope' is not a flavor of 'pre_ln'"):
+        model_args(ModelConfig(name="pre_ln", flavor="nope"), 50304, 64)

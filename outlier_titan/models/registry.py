@@ -24,10 +24,7 @@ if TYPE_CHECKING:
 def model_args(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[ModelSpec, Any]:
     """The spec and its args: flavor values, then every non-None ``model.*`` override the spec supports."""
     spec = get_spec(model_cfg.name)
-    if model_cfg.flavor not in spec.flavors:
-        raise ConfigError(f"model.flavor = {model_cfg.flavor!r} is not a flavor of '{spec.name}'; "
-                          f"available: {', '.join(spec.flavors)}")
-    values = dict(spec.flavors[model_cfg.flavor])
+    values = dict(spec.flavor(model_cfg.flavor)[1])
     arg_names = {f.name for f in dataclasses.fields(spec.args_cls)}
     # a variant registered after the spec's args class was made (a plug-in) has no field there: set on the args
     late = {f.name: f.metadata["default"] for f in dataclasses.fields(model_cfg)

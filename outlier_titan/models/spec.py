@@ -16,6 +16,7 @@ strings, imported on first use). The built-ins register when ``outlier_titan.com
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -86,6 +87,8 @@ class ModelSpec:
     args: type | str
     """The args dataclass; it inherits ``options`` (or ``"module:Class"``)."""
     flavors: dict[str, dict[str, Any]]
+    flavor_aliases: dict[str, str] = field(default_factory=dict)
+    """Old flavor name -> its name now: still accepted, with a one-line deprecation note."""
     options: type | None = None
     """The spec's own ``[model]`` options: a dataclass of ``outlier_titan.options.opt`` fields."""
     tp_plan: TPPlan | None = None
@@ -113,6 +116,18 @@ class ModelSpec:
         if isinstance(self.model, str):
             return self.model
         return f"{self.model.__module__}:{self.model.__qualname__}"
+
+    def flavor(self, name: str) -> tuple[str, dict[str, Any]]:
+        """(name, values) of flavor ``name``; an old name (``flavor_aliases``) says its new one on stderr."""
+        if name in self.flavor_aliases:
+            new = self.flavor_aliases[name]
+            print(f"note: model.flavor {name!r} of '{self.name}' is now {new!r}; the old name is deprecated",
+                  file=sys.stderr)
+            name = new
+        if name not in self.flavors:
+            raise ConfigError(f"model.flavor = {name!r} is not a flavor of '{self.name}'; "
+                              f"available: {', '.join(self.flavors)}")
+        return name, self.flavors[name]
 
     def rotation_refusal(self, args) -> str | None:
         """Why the residual stream of this spec's model with ``args`` cannot be rotated exactly (None: it can)."""

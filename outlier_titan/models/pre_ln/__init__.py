@@ -30,8 +30,8 @@ LLAMA = dict(norm="rmsnorm", pos_encoding="rope", bias=False, mlp="swiglu", tie_
              norm_eps=1e-5, rope_theta=500000.0)
 
 # Kaul et al. 2024 (softmax-1 / OrthoAdam): RMSNormSingle everywhere and no biases; softmax is the per-run switch.
-SEED000_GPT2 = dict(GPT2, norm="rmsnorm_single", bias=False, norm_eps=1e-5)
-SEED000_LLAMA2 = dict(LLAMA, norm="rmsnorm_single", bias=False, norm_eps=1e-6, rope_theta=10000.0)
+KAUL2024_GPT2 = dict(GPT2, norm="rmsnorm_single", bias=False, norm_eps=1e-5)
+KAUL2024_LLAMA2 = dict(LLAMA, norm="rmsnorm_single", bias=False, norm_eps=1e-6, rope_theta=10000.0)
 # Franke et al. 2025's GPT+ baseline (Table F.1 / F.2).
 GPTPLUS = dict(norm="rmsnorm", pos_encoding="rope", rope_fraction=0.5, bias=False, mlp="swiglu",
                tie_embeddings=False, qk_norm=True, norm_eps=1e-6, rope_theta=10000.0, vocab_size=50304)
@@ -51,11 +51,11 @@ FLAVORS = {
     # Llama 2 7B shape (multi-head attention, SwiGLU 11008)
     "llama_7b": dict(LLAMA, dim=4096, n_layers=32, n_heads=32, ffn_hidden=11008),
     # Kaul et al. 2024 (dims chosen here, see the module docstring)
-    "seed000_gpt2_60m": dict(SEED000_GPT2, dim=512, n_layers=11, n_heads=8),
-    "seed000_gpt2_130m": dict(SEED000_GPT2, dim=768, n_layers=12, n_heads=12),
-    "seed000_gpt2_350m": dict(SEED000_GPT2, dim=1024, n_layers=24, n_heads=16),
-    "seed000_gpt2_1.4b": dict(SEED000_GPT2, dim=1536, n_layers=48, n_heads=24),
-    "seed000_llama2_130m": dict(SEED000_LLAMA2, dim=768, n_layers=12, n_heads=12, ffn_hidden=2048),
+    "kaul2024_gpt2_60m": dict(KAUL2024_GPT2, dim=512, n_layers=11, n_heads=8),
+    "kaul2024_gpt2_130m": dict(KAUL2024_GPT2, dim=768, n_layers=12, n_heads=12),
+    "kaul2024_gpt2_350m": dict(KAUL2024_GPT2, dim=1024, n_layers=24, n_heads=16),
+    "kaul2024_gpt2_1.4b": dict(KAUL2024_GPT2, dim=1536, n_layers=48, n_heads=24),
+    "kaul2024_llama2_130m": dict(KAUL2024_LLAMA2, dim=768, n_layers=12, n_heads=12, ffn_hidden=2048),
     # Franke et al. 2025 GPT+ (Table F.1: d_h = 64, SwiGLU 4*d per branch, vocab 50,304)
     "gptplus_32m": dict(GPTPLUS, dim=256, n_layers=6, n_heads=4, ffn_hidden=1024),
     "gptplus_62m": dict(GPTPLUS, dim=384, n_layers=10, n_heads=6, ffn_hidden=1536),
@@ -80,6 +80,7 @@ SPEC = register_spec(ModelSpec(
     args="outlier_titan.models.pre_ln.model:PreLNArgs",
     options=PreLNOptions,
     flavors=FLAVORS,
+    flavor_aliases={f"seed000_{n[len('kaul2024_'):]}": n for n in FLAVORS if n.startswith("kaul2024_")},
     tp_plan=TPPlan(loss_parallel=True, unsupported=_tp_unsupported),
     hf_adapter="outlier_titan.hf.adapters:adapter_for_args",
     rotation=None,

@@ -13,17 +13,17 @@ gain | rmsnorm_nogain), ``attention`` (softmax | softmax1, exact | the sink reme
 ``rope_fraction`` (share of each head's dims that RoPE rotates; GPT+ uses 0.5), ``bias``, ``qk_norm``,
 ``mlp``, ``tie_embeddings``.
 
-Kaul et al. 2024 flavors (``seed000_*``; the paper gives sizes only, no shapes): RMSNormSingle at every norm site
+Kaul et al. 2024 flavors (``kaul2024_*``, formerly ``seed000_*``; the paper gives sizes only, no shapes): RMSNormSingle at every norm site
 (pre-attention, pre-MLP, final), no biases in any linear layer, learned absolute positions, GELU, tied
 embeddings for the GPT-2 family; parameter counts at the GPT-2 BPE vocabulary (50,304 padded) and 1024
 positions:
 
-    seed000_gpt2_60m     d=512,  L=11, H=8,  ffn 2048   60.9M  (closest GPT-2-shaped model to "~60M")
-    seed000_gpt2_130m    d=768,  L=12, H=12, ffn 3072  124.4M  (GPT-2 small shape; Table 1 lists it as 137M)
-    seed000_gpt2_350m    d=1024, L=24, H=16, ffn 4096  354.5M  (GPT-2 medium shape, as Table 1 suggests)
-    seed000_gpt2_1.4b    d=1536, L=48, H=24, ffn 6144  1.44B   (GPT-2 XL depth at head dim 64; the XL shape
+    kaul2024_gpt2_60m     d=512,  L=11, H=8,  ffn 2048   60.9M  (closest GPT-2-shaped model to "~60M")
+    kaul2024_gpt2_130m    d=768,  L=12, H=12, ffn 3072  124.4M  (GPT-2 small shape; Table 1 lists it as 137M)
+    kaul2024_gpt2_350m    d=1024, L=24, H=16, ffn 4096  354.5M  (GPT-2 medium shape, as Table 1 suggests)
+    kaul2024_gpt2_1.4b    d=1536, L=48, H=24, ffn 6144  1.44B   (GPT-2 XL depth at head dim 64; the XL shape
                                                                itself is 1.56B, which Table 1 calls 1.6B)
-    seed000_llama2_130m  d=768,  L=12, H=12, SwiGLU 2048, RoPE, untied, RMSNormSingle eps 1e-6: the GaLore
+    kaul2024_llama2_130m  d=768,  L=12, H=12, SwiGLU 2048, RoPE, untied, RMSNormSingle eps 1e-6: the GaLore
                          ``llama_130m`` shape whose warm-up schedule the paper copies; 134M at Llama-2's
                          32,000 vocabulary, 162M at 50,304.
 

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=PART_BUDGET_S, help="seconds per part")
     parser.add_argument("--no-tests", action="store_true", help="part 1 without the pytest run")
     parser.add_argument("--only", default="", help="comma-separated parts of item names: run just those items "
-                        "(e.g. --only 'on pre_ln/seed000_gpt2_130m' for part 3's optimizer steps)")
+                        "(e.g. --only 'on pre_ln/kaul2024_gpt2_130m' for part 3's optimizer steps)")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--events", default="", help=argparse.SUPPRESS)

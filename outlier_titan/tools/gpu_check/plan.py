@@ -14,7 +14,7 @@ TORCH_OPTIMIZERS = ("adam", "sgd", "rmsprop")
 
 # The papers' 60M-130M flavors (spec, flavor): Kaul et al. 2024 (softmax-1 / OrthoAdam, arXiv 2410.17174), the
 # GPT+ / anGPT / nGPT sizes of Table F.1 of the anGPT paper, and the Outlier Protected block's (OP) sizes.
-PAPER_FLAVORS = (("pre_ln", "seed000_gpt2_60m"), ("pre_ln", "seed000_gpt2_130m"), ("pre_ln", "seed000_llama2_130m"),
+PAPER_FLAVORS = (("pre_ln", "kaul2024_gpt2_60m"), ("pre_ln", "kaul2024_gpt2_130m"), ("pre_ln", "kaul2024_llama2_130m"),
                  ("pre_ln", "gptplus_125m"), ("angpt", "125m"), ("ngpt", "125m"), ("op", "languini_100m"),
                  ("op", "codeparrot_130m"))
 
@@ -53,7 +53,7 @@ def plan(part: str, dry: bool) -> list[dict]:
                               steps=2 if dry else 10, **shape))
         probe = dict(kind="probe", every=100, limit_s=120,
                      **(dict(model="pre_ln", flavor="debug", seq_len=32, batch=4, micro=4, steps=2, probes=1)
-                        if dry else dict(model="pre_ln", flavor="seed000_gpt2_130m", seq_len=1024, batch=32,
+                        if dry else dict(model="pre_ln", flavor="kaul2024_gpt2_130m", seq_len=1024, batch=32,
                                          micro=32, steps=12, probes=4, vocab_size=50304)))
         items.append(dict(probe, name="probe every 100, compile off", compile=False))
         items.append(dict(probe, name="probe every 100, compile on", compile=True, limit_s=240))
@@ -81,7 +81,7 @@ def plan(part: str, dry: bool) -> list[dict]:
             items.append(dict(name=f"optimizer {name}", kind="optim", optimizer=name, model="pre_ln", limit_s=120,
                               **(dict(flavor="debug", seq_len=32, batch=8, micro=4, steps=2, warmup=1,
                                       tile_size=32) if dry else
-                                 dict(flavor="seed000_gpt2_130m", seq_len=256, batch=512, micro=128, steps=10,
+                                 dict(flavor="kaul2024_gpt2_130m", seq_len=256, batch=512, micro=128, steps=10,
                                       warmup=3, tile_size=256, vocab_size=50304))))
     else:
         raise GpuCheckError(f"unknown part {part!r}; use 1, 2, 3 or all")
