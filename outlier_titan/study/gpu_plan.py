@@ -18,7 +18,8 @@ def gpu_dry_run(suite: str, tokenizer: str | None, mfu: float, peak_tflops: floa
     import copy
     import tempfile
 
-    from outlier_titan.config.manager import ConfigError, tomllib
+    from outlier_titan.config.manager import tomllib
+    from outlier_titan.errors import ConfigError
     from outlier_titan.errors import DataError
     from outlier_titan.training.planning import GiB, plan
     from outlier_titan.study.spec import load_sweep

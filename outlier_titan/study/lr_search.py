@@ -96,7 +96,8 @@ def _chosen(choice: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def apply_choice(sweep, choice: dict[str, Any]) -> list[str]:
     """Sets each point of ``sweep`` whose setting the search tuned to its chosen values (in place); returns the
     names of the points left at the suite file's values."""
-    from outlier_titan.config.manager import ConfigError, set_values, validate
+    from outlier_titan.config.manager import set_values, validate
+    from outlier_titan.errors import ConfigError
 
     chosen, untuned = _chosen(choice), []
     for p in sweep.points:

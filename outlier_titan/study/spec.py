@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from outlier_titan.config.job_config import JobConfig
-from outlier_titan.config.manager import ConfigError, load_toml, parse_args, set_values, to_toml, validate
-from outlier_titan.errors import UserError
+from outlier_titan.config.manager import load_toml, parse_args, set_values, to_toml, validate
+from outlier_titan.errors import ConfigError, UserError
 from outlier_titan.packaged import renamed_config, resolve_config
 from outlier_titan.plugins import load_plugins
 
