@@ -204,6 +204,7 @@ def summary(groups: dict[str, list[dict[int, dict]]], metrics: list[str]) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
+    import outlier_titan.components  # noqa: F401  (the built-ins, before any config or registry is read)
     argv = take_plugins(argv)
     p = cli.parser(__doc__, plugins=True)
     p.add_argument("runs", nargs="+", type=Path, help="run folders (each with metrics.jsonl)")

@@ -45,6 +45,7 @@ from outlier_titan.tools.benchmarks.training import run_probe, run_step
 
 
 def main(argv=None) -> int:
+    import outlier_titan.components  # noqa: F401  (the built-ins, before any config or registry is read)
     parser = cli.parser(__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
     o = sub.add_parser("optim", help="optimizer step time of OrthoAdam and SOAP relative to AdamW",

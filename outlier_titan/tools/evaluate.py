@@ -114,6 +114,7 @@ def _import_run_plugins(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import outlier_titan.components  # noqa: F401  (the built-ins, before any config or registry is read)
     args = parse(argv)
     return cli.report_user_errors(run, args)
 

@@ -18,6 +18,7 @@ from outlier_titan.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
+    import outlier_titan.components  # noqa: F401  (the built-ins, before any config or registry is read)
     p = cli.parser(__doc__)
     p.add_argument("source", help="run folder, <run>/checkpoints/step-<N>, an export or an HF folder")
     p.add_argument("--out", required=True, help="new folder to write")

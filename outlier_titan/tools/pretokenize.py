@@ -20,6 +20,7 @@ from outlier_titan.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
+    import outlier_titan.components  # noqa: F401  (the built-ins, before any config or registry is read)
     p = cli.parser(__doc__)
     p.add_argument("source", help="a .txt/.jsonl/.parquet file or folder, 'embedded', or an HF save_to_disk folder")
     p.add_argument("--tokenizer", required=True, help="'embedded', a tiktoken BPE rank file or tiktoken:<name>")

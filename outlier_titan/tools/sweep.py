@@ -63,6 +63,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import outlier_titan.components  # noqa: F401  (the built-ins, before any config or registry is read)
     args = parse(argv)
     return cli.report_user_errors(COMMANDS[args.command], args)
 

@@ -26,6 +26,7 @@ def _corpus(source: str, split: str, text_field: str, val_fraction: float):
 
 
 def main(argv: list[str] | None = None) -> int:
+    import outlier_titan.components  # noqa: F401  (the built-ins, before any config or registry is read)
     ap = cli.parser(__doc__)
     ap.add_argument("--vocab_size", type=int, default=4096, help="total vocabulary including <|endoftext|>")
     ap.add_argument("--out", default="outlier_titan/assets/tokenizer/stdlib_bpe.tiktoken", help="output rank file")

@@ -76,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--events", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
+    if args.worker:  # it imports the built-ins for the items that need them
         return worker(Path(args.worker), args.start, Path(args.events), args.dry)
+    import outlier_titan.components  # noqa: F401  (the built-ins, before the plan reads configs)
     parts = PARTS if args.part == "all" else (args.part,)
     if not all(p in PARTS for p in parts):
         parser.error(f"--part {args.part!r}: use 1, 2, 3 or all")
