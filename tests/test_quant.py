@@ -301,7 +301,8 @@ def test_a_registered_scheme_is_usable_by_name_and_listed_by_the_tool():
         with pytest.raises(UserError, match="already registered"):
             ptq.register_scheme(toy)
         assert ptq.get_scheme("toy_w8") is toy and list(ptq.SCHEMES)[-1] == "toy_w8"
-        assert ev.parse(["--checkpoint", "x"]).schemes.split(",")[-1] == "toy_w8"
+        assert ev.parse(["--checkpoint", "x"]).schemes is None  # the default: every scheme registered when it runs
+        assert "toy_w8: toy: int8 weights per tensor" in ptq.scheme_help()  # what --schemes' help lists
         with pytest.raises(UserError) as e:
             ptq.check_schemes(["toy_w8", "int3"], "--schemes")
         assert str(e.value).startswith("--schemes: unknown int3; available: int8_fine,") and "toy_w8" in str(e.value)
