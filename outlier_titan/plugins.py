@@ -43,6 +43,11 @@ def load_plugin(spec: str):
     return module
 
 
+def absolute(entries, folder: Path) -> list[str]:
+    """``job.plugins`` entries with ``.py`` paths made absolute (relative to ``folder``); module names as they are."""
+    return [str((Path(folder) / e).resolve()) if e.endswith(".py") else e for e in entries]
+
+
 def load_plugins(specs) -> list:
     """Imports each of ``specs`` (a list, or one comma-separated string)."""
     if isinstance(specs, str):
@@ -57,8 +62,6 @@ PLUGINS_HELP = ("your components (modules or .py files, comma list) to import fi
 def take_plugins(argv: list[str] | None) -> list[str]:
     """A tool's command line without its ``--plugins A,B`` (imported here, before the tool's parser reads the
     registries for its choices and help)."""
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     rest, i = [], 0
     while i < len(argv):

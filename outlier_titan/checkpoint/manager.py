@@ -457,6 +457,12 @@ def check_resume(path: Path, current_toml: str, current_meta: dict, allow_change
                                                        if why else "") for k, a, b, why in changes]
 
 
+def run_config_file(path: Path) -> Path | None:
+    """The ``config.toml`` of a run folder, or of the run a ``step-<N>`` checkpoint belongs to; None if there is
+    none."""
+    return next((f for f in (path / "config.toml", path.parent.parent / "config.toml") if f.is_file()), None)
+
+
 def load_model_for_eval(checkpoint: str | Path, device: str | torch.device = "cpu"):
     """Builds the checkpoint's model at world size 1 and loads its weights (saved at any world size / layout).
 
@@ -468,10 +474,8 @@ def load_model_for_eval(checkpoint: str | Path, device: str | torch.device = "cp
     from outlier_titan.models.registry import build_meta_model
 
     path = resolve_checkpoint_dir(checkpoint)
-    config_file = path / "config.toml"
-    if not config_file.is_file():
-        config_file = path.parent.parent / "config.toml"
-    if not config_file.is_file():
+    config_file = run_config_file(path)
+    if config_file is None:
         raise CheckpointError(f"no config.toml in {path} or its run folder; cannot tell which model it holds")
     cfg = parse_args(["--config", str(config_file)])
     tokenizer = build_tokenizer(cfg.data.tokenizer)

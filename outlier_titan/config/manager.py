@@ -17,9 +17,9 @@ from typing import Any
 
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.errors import ConfigError
-from outlier_titan.plugins import load_plugins
 from outlier_titan.options import NO_DECAY_CLASSES, owned_by
 from outlier_titan.packaged import resolve_config
+from outlier_titan.plugins import absolute, load_plugins
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -215,7 +215,7 @@ def _plugin_paths(from_toml: Any, config_file: str | None, overrides: list[tuple
     else:
         entries = _convert(from_toml, "job.plugins", list, False, from_cli=False)
         folder = resolve_config(config_file).parent if config_file is not None else Path.cwd()
-    return [str((folder / e).resolve()) if e.endswith(".py") else e for e in entries]
+    return absolute(entries, folder)
 
 
 def validate(cfg: JobConfig) -> None:

@@ -64,8 +64,8 @@ def input_reading_variants() -> tuple[str, ...]:
 
 
 class HeadParam(nn.Module):
-    """One learned value per (query) head, ``weight`` [H] laid out like the heads (TP placement ``heads``),
-    initialised to a constant."""
+    """One learned value per (query) head, ``weight`` [H] laid out like the heads (TP placement
+    ``sharded_params``), initialised to a constant."""
 
     def __init__(self, n_heads: int, init: float):
         super().__init__()
@@ -92,9 +92,7 @@ def causal_logits(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float
     """``scale * q k^T`` [B, H, T_q, T_k] in the compute dtype, soft-capped if asked, -inf where a key is not
     visible; ``q`` holds the queries at positions ``first, first + 1, ...``, ``k`` the keys from position 0."""
     dt = _compute_dtype(q)
-    s = (q.to(dt) @ k.to(dt).transpose(-1, -2)) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
+    s = attention_flex.capped((q.to(dt) @ k.to(dt).transpose(-1, -2)) * scale, softcap)
     return s.masked_fill(~_visible(q.shape[-2], k.shape[-2], first, s.device), float("-inf"))
 
 

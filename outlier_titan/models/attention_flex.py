@@ -74,9 +74,7 @@ def score_mod(f=None, softcap: float = 0.0):
     if f is None and not softcap:
         return None
     f = f or _identity
-    if softcap:
-        return lambda score, b, h, q_idx, kv_idx: f(softcap * torch.tanh(score / softcap))
-    return lambda score, b, h, q_idx, kv_idx: f(score)
+    return lambda score, b, h, q_idx, kv_idx: f(capped(score, softcap))
 
 
 def flex_attention_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, scale: float, state=None,

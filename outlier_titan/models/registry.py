@@ -21,10 +21,11 @@ from outlier_titan.models.spec import ModelSpec, all_specs, get_spec
 if TYPE_CHECKING:
     from outlier_titan.config.job_config import Model as ModelConfig
 
+
 def model_args(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[ModelSpec, Any]:
     """The spec and its args: flavor values, then every non-None ``model.*`` override the spec supports."""
     spec = get_spec(model_cfg.name)
-    values = dict(spec.flavor(model_cfg.flavor)[1])
+    values = dict(spec.flavor(model_cfg.flavor))
     arg_names = {f.name for f in dataclasses.fields(spec.args_cls)}
     # a variant registered after the spec's args class was made (a plug-in) has no field there: set on the args
     late = {f.name: f.metadata["default"] for f in dataclasses.fields(model_cfg)

@@ -117,8 +117,8 @@ class ModelSpec:
             return self.model
         return f"{self.model.__module__}:{self.model.__qualname__}"
 
-    def flavor(self, name: str) -> tuple[str, dict[str, Any]]:
-        """(name, values) of flavor ``name``; an old name (``flavor_aliases``) says its new one on stderr."""
+    def flavor(self, name: str) -> dict[str, Any]:
+        """The values of flavor ``name``; an old name (``flavor_aliases``) says its new one on stderr."""
         if name in self.flavor_aliases:
             new = self.flavor_aliases[name]
             print(f"note: model.flavor {name!r} of '{self.name}' is now {new!r}; the old name is deprecated",
@@ -127,7 +127,7 @@ class ModelSpec:
         if name not in self.flavors:
             raise ConfigError(f"model.flavor = {name!r} is not a flavor of '{self.name}'; "
                               f"available: {', '.join(self.flavors)}")
-        return name, self.flavors[name]
+        return self.flavors[name]
 
     def rotation_refusal(self, args) -> str | None:
         """Why the residual stream of this spec's model with ``args`` cannot be rotated exactly (None: it can)."""

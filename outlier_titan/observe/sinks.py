@@ -128,9 +128,7 @@ MASSIVE = register_metric("massive", ("massive_ratio", "massive_count"), "residu
                           shown={k: ("massive_ratio", "massive_count") for k in _shown})
 RESIDUAL_PEAK = register_metric("residual_peak", "residual_peak", "residual", _peak_sums, _peak,
                                 label="residual peak (Guo et al. 2024)", shown={k: ("residual_peak",) for k in _shown})
-VALUE_DRAIN = register_metric("value_drain", "value_drain", "heads", _drain_sums, _drain,
-                              label="value drain (Guo et al. 2024)", lower_is_better=None,
-                              shown={k: ("value_drain",) for k in _shown})
-DORMANT_HEADS = register_metric("dormant_heads", "dormant_head_share", "heads", _dormant_sums, _dormant,
-                                label="dormant-head share (after Guo et al. 2024)",
-                                shown={k: ("dormant_head_share",) for k in _shown})
+register_metric("value_drain", "value_drain", "heads", _drain_sums, _drain, label="value drain (Guo et al. 2024)",
+                lower_is_better=None, shown={k: ("value_drain",) for k in _shown})
+register_metric("dormant_heads", "dormant_head_share", "heads", _dormant_sums, _dormant,
+                label="dormant-head share (after Guo et al. 2024)", shown={k: ("dormant_head_share",) for k in _shown})

@@ -75,10 +75,9 @@ def tile_plans(groups: list[dict], cfg: OptimizerConfig,
 def check_tile_plans(groups: list[dict], cfg: OptimizerConfig, roles: ParamRoles) -> None:
     """The tile engine's per-parameter checks (tile alignment with the shards, the basis' power-of-two rule,
     dimensionality) on the sharded parameters' layout alone: run on the meta model, they fail in seconds instead
-    of after materialising it. A no-op for optimizers without tiles."""
-    if cfg.name in TILE_OPTIMIZERS:
-        for _ in tile_plans(groups, cfg, roles):
-            pass
+    of after materialising it (the tile optimizers' ``check_layout``)."""
+    for _ in tile_plans(groups, cfg, roles):
+        pass
 
 
 def describe_tile_grid(groups: list[dict], cfg: OptimizerConfig, roles: ParamRoles) -> list[str]:

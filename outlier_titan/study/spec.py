@@ -37,7 +37,7 @@ from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import load_toml, parse_args, set_values, to_toml, validate
 from outlier_titan.errors import ConfigError, UserError
 from outlier_titan.packaged import renamed_config, resolve_config
-from outlier_titan.plugins import load_plugins
+from outlier_titan.plugins import absolute, load_plugins
 
 TOP_KEYS = ("base", "name", "seeds", "tokens_per_param", "budget_params", "fixed", "grid", "zip", "slurm", "lr_choice", "lr_from")
 SLURM_KEYS = {"nodes": int, "gpus_per_node": int, "cpus_per_task": int, "time": str, "partition": str,
@@ -114,7 +114,7 @@ def _plugin_paths(value: Any, folder: Path, where: str) -> list[str]:
     """``job.plugins`` of a sweep file, ``.py`` paths made absolute (relative to the sweep file's folder)."""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise SweepError(f"{where}: {PLUGINS} must be a list of module names or .py paths, got {value!r}")
-    return [str((folder / v).resolve()) if v.endswith(".py") else v for v in value]
+    return absolute(value, folder)
 
 
 def _format_value(v: Any, spec: str | None) -> str:

@@ -28,7 +28,6 @@ random signs from the seed. See ``outlier_titan/quant/ptq.py`` and ``docs/quanti
 from __future__ import annotations
 
 import argparse
-import tomllib
 import json
 import math
 import re
@@ -40,7 +39,7 @@ import torch
 
 from outlier_titan import cli
 from outlier_titan.errors import UserError
-from outlier_titan.plugins import load_plugins, take_plugins
+from outlier_titan.plugins import take_plugins
 from outlier_titan.provenance import code_version, runtime_versions
 from outlier_titan.quant.ptq import SCHEMES, check_schemes, scheme_help
 
@@ -104,15 +103,6 @@ def _loader_fn():
     return load_model_for_eval
 
 
-def _import_run_plugins(path: Path) -> None:
-    """The ``job.plugins`` of the run that holds ``path`` (a run folder or one of its checkpoints), imported."""
-    for folder in (path, path.parent.parent):
-        if (folder / "config.toml").is_file():
-            table = tomllib.loads((folder / "config.toml").read_text())
-            load_plugins(table.get("job", {}).get("plugins", []))
-            return
-
-
 def main(argv: list[str] | None = None) -> int:
     import outlier_titan.components  # noqa: F401  (the built-ins, before any config or registry is read)
     args = parse(argv)
@@ -120,14 +110,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from outlier_titan.checkpoint.manager import resolve_checkpoint_dir
+    from outlier_titan.checkpoint.manager import resolve_checkpoint_dir, run_config_file
+    from outlier_titan.config.manager import parse_args
     from outlier_titan.data import build_dataloader
     from outlier_titan.eval.perplexity import take_batches, validation_budget
     from outlier_titan.eval.report import markdown
     from outlier_titan.eval.runner import evaluate_model
 
-    if args.checkpoint:
-        _import_run_plugins(Path(args.checkpoint))  # a run's plug-ins may register schemes
+    run_config = run_config_file(Path(args.checkpoint)) if args.checkpoint else None
+    if run_config is not None:  # reading it imports its job.plugins, which may register schemes
+        parse_args(["--config", str(run_config)])
     schemes = check_schemes([s.strip() for s in args.schemes.split(",") if s.strip()] if args.schemes
                             else list(SCHEMES), "--schemes")
     for flag in ("tokens", "batch_size", "calib_batches", "calib_seeds"):

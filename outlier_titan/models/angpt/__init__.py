@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from outlier_titan.models.ngpt import (ALPHA_ABS, ALPHA_INIT, LOGIT_SCALE, NOT_ROTATABLE, PARAM_SCALE,
+from outlier_titan.models.ngpt import (ALPHA_ABS, ALPHA_INIT, FLAVORS, LOGIT_SCALE, NOT_ROTATABLE, PARAM_SCALE,
                                       normalized_tp_plan)
 from outlier_titan.models.spec import ModelSpec, register_spec
 from outlier_titan.options import opt
@@ -25,19 +25,12 @@ class ANGPTOptions:
                                               "sqrt(d_h)).")
 
 
-_TABLE_F1 = {  # name: (d_m, layers, heads)
-    "32m": (256, 6, 4), "62m": (384, 10, 6), "125m": (512, 18, 8),
-    "250m": (768, 18, 12), "0.5b": (1024, 24, 16), "1b": (1280, 36, 20),
-}
-FLAVORS = {"debug": dict(dim=128, n_layers=4, n_heads=4)}
-FLAVORS.update({name: dict(dim=d, n_layers=n, n_heads=h, vocab_size=50304) for name, (d, n, h) in _TABLE_F1.items()})
-
 SPEC = register_spec(ModelSpec(
     name="angpt",
     model="outlier_titan.models.angpt.model:ANGPT",
     args="outlier_titan.models.angpt.model:ANGPTArgs",
     options=ANGPTOptions,
-    flavors=FLAVORS,
+    flavors=FLAVORS,  # nGPT's: the anGPT paper's Table F.1 sizes
     tp_plan=normalized_tp_plan("temperature"),
     post_step="outlier_titan.models.angpt.model:angpt_post_step",
     rotation=f"ANGPT is not rotated ({NOT_ROTATABLE})",

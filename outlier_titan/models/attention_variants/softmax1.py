@@ -34,7 +34,7 @@ def _forms() -> VariantForms:
 
     def flex(q, k, v, scale, softcap, opts, state):
         out, lse = causal_flex(q, k, v, score_mod(None, softcap), scale)
-        return out, lse, torch.sigmoid(lse - 0.0)
+        return out, lse, torch.sigmoid(lse)
 
     return VariantForms(weights=weights, sdpa=sdpa, flex=flex)
 

@@ -1,5 +1,5 @@
 """The ``ngpt`` spec: nGPT (normalised Transformer) as the NVIDIA reference, with correct RoPE. Its options, flavors
-and entry, and the pieces the ``angpt`` spec shares (option help, TP plan, rotation refusal); the model is in
+and entry, and the pieces the ``angpt`` spec shares (option help, flavors, TP plan, rotation refusal); the model is in
 :mod:`outlier_titan.models.ngpt.model`."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ with decoupled weight decay in the original basis. OrthoAdam's bases are fixed a
 (``optim/orthoadam.py``); SOAP's are eigenbases of per-tile factors (``optim/soap.py``). This package holds what
 both share, one concern per module (``optim/README.md`` walks through them):
 
-  settings the ``[optimizer]`` keys of the engine, OrthoAdam and SOAP (defaults, help; the config imports it)
+  settings the ``[optimizer]`` keys of the engine, OrthoAdam and SOAP (defaults, help; registered into [optimizer] on import)
   options  ``EngineOptions``: the settings and the tile-size policy (which edge each axis asks for)
   shards   DTensor shard arithmetic: the global indices each rank holds along an axis
   plan     the global tile grid of one parameter (``plan_param``): rotated axes, tile edges, the alignment

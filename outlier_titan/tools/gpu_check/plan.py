@@ -128,9 +128,7 @@ def check_plan(part: str) -> list[str]:
     from outlier_titan.config.manager import parse_args
     from outlier_titan.data import build_tokenizer
     from outlier_titan.models.registry import build_meta_model
-    from outlier_titan.models.roles import roles_of
-    from outlier_titan.optim.builder import build_param_groups
-    from outlier_titan.optim.tile_optimizers import check_tile_plans
+    from outlier_titan.optim.builder import check_optimizer_layout
 
     problems = []
     for item in plan(part, dry=False):
@@ -148,11 +146,10 @@ def check_plan(part: str) -> list[str]:
             vocab = build_tokenizer(cfg.data.tokenizer).vocab_size
             _, _, model = build_meta_model(cfg.model, vocab, cfg.training.seq_len)
             if item["kind"] == "optim":
-                check_tile_plans(build_param_groups(model, cfg.optimizer), cfg.optimizer, roles_of(model))
+                check_optimizer_layout(model, cfg.optimizer)
         except Exception as e:  # noqa: BLE001 - every problem is listed
             problems.append(f"{item['name']}: {type(e).__name__}: {e}")
     return problems
-
 
 
 def named(item: dict, only: tuple[str, ...]) -> bool:
