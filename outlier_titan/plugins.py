@@ -18,10 +18,12 @@ _LOADED: dict[str, object] = {}
 def load_plugin(spec: str):
     """Imports a plug-in once: ``spec`` is a module name (``my_pkg.my_variant``) or a path to a ``.py`` file."""
     spec = spec.strip()
+    if spec.endswith(".py"):  # one file is one plug-in, however its path is written
+        spec = str(Path(spec).expanduser().resolve())
     if spec in _LOADED:
         return _LOADED[spec]
     if spec.endswith(".py"):
-        path = Path(spec).expanduser().resolve()
+        path = Path(spec)
         if not path.is_file():
             raise UserError(f"job.plugins: {spec} is not a file; give a path to a .py file or a module name")
         name = f"outlier_titan_plugin_{path.stem}_{zlib.crc32(str(path).encode()):08x}"

@@ -111,3 +111,11 @@ def test_registration_errors_are_one_line():
     with pytest.raises(UserError, match="unknown place or name 'other'"):
         metrics.register_metric("mine", "mine", "residual", dict, finalize, label="x", shown={"report": ("other",)})
     assert "mine" not in {m.key for m in metrics.registered()}
+
+
+def test_one_file_is_one_plugin_however_its_path_is_written(toy, monkeypatch):
+    """A run's recorded (absolute) path and a tool's ``--plugins`` (relative) name the same file: imported once,
+    so its registration does not run twice (which a metric refuses)."""
+    monkeypatch.chdir(TOY.parent.parent)
+    assert load_plugin("plugins/toy_metric.py") is load_plugin(str(TOY.resolve()))
+    assert metrics.get_metric("toy_peak_to_rms") is toy
