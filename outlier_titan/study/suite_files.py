@@ -11,14 +11,18 @@ from outlier_titan.packaged import configs_dir
 from outlier_titan.study import lr_search
 from outlier_titan.study.suites import SUITE_NAMES
 
-SCALES = ("smoke", "cpu", "search", "lr", "synthetic", "tiles", "gpu")
+SCALES = ("smoke", "cpu", "search", "lr", "tuned", "synthetic", "tiles", "gpu")
 """``search``: the calibration search of the cpu scale, where a suite has one: the seeds' levers on
 the cpu recipe, evaluated and reported like a suite, so the settings tried and the peaks they gave are kept.
+``lr``: the learning-rate search: the arms a claim compares at every lr of a grid, seed 0 (``lr_choice.json``).
+``tuned``: the claims' arms re-run on the cpu recipe, each at the lr its search chose (``lr_from = "lr"``), at the
+seeds a quoted verdict needs (five).
 ``synthetic``: the suite's grid on the synthetic Bigram-Backcopy task (``data.source = "bigram_backcopy"``), where
 a suite has one: a small-scale testbed for the attention sink, which the embedded corpus (Python source) does not make at cpu scale.
 ``tiles``: the tile-size study, where a suite has one: the cpu recipe's baseline and remedy with the remedy's
 rotation over whole axes and in shard-local tiles of 128, 64 and 32, reported against the tile edge."""
-OPTIONAL_SCALES = {"search": "calibration search", "lr": "learning-rate search", "synthetic": "synthetic-task suite",
+OPTIONAL_SCALES = {"search": "calibration search", "lr": "learning-rate search",
+                   "tuned": "re-run at the searched learning rates", "synthetic": "synthetic-task suite",
                    "tiles": "tile-size study"}
 
 
