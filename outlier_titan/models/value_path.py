@@ -1,0 +1,104 @@
+"""Two optional steps on an attention block's value path (``pre_ln``'s ``model.v_scale`` and ``model.head_norm``).
+
+**V-scale** (Chen, Lin, Yao 2026, "Attention Sinks Induce Gradient Sinks", arXiv 2603.17771, Sec. 5.1): every value
+state, per value head and token, is scaled radially before the aggregation,
+
+    v^ = phi(||v||^2) v,    phi(r) = r / (r + C),    C = d_model * d_head * sigma^2 * exp(theta_h),
+
+with ``sigma`` the value projection's initial std (our ``init_std``; the paper's 0.02) and one learned
+``theta_h`` per layer and value (KV) head, initialised to 0. Its Jacobian ``phi I + 2C/(r+C)^2 v v^T`` attenuates
+the gradient of small-norm values (the sink token's) and passes that of large-norm ones. ``backward`` is the
+authors' backward-only control (their NeurIPS 2026 rebuttal to reviewer 6L5L): the forward keeps ``v`` exactly and
+the backward applies the same Jacobian with ``theta`` frozen at 0 (no parameter).
+
+**Head-wise RMSNorm** (Li, Jiang, Sun, Hu 2026, "The Structural Origin of Attention Sink", arXiv 2605.06611, ICML
+2026): each head's value-aggregation output ``y_h = sum_j A_hj v_j`` [d_head] is RMS-normalised on its own before
+the output projection, with a learned per-head, per-channel gain (initialised to 1) unless ``head_norm_gain`` is off.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from outlier_titan.tensors import local
+
+V_SCALE_MODES = ("off", "on", "backward")
+
+
+def v_scale_constant(dim: int, head_dim: int, init_std: float) -> float:
+    """The paper's C at theta = 0: ``d_model * d_head * sigma^2``, the squared value norm at initialisation."""
+    return dim * head_dim * init_std ** 2
+
+
+def _radial_scale(v: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``phi(||v||^2) v`` over the last dim (computed in at least float32); ``c`` broadcasts over [B, H, T, 1]."""
+    vf = v.to(torch.promote_types(v.dtype, torch.float32))
+    r = vf.pow(2).sum(-1, keepdim=True)
+    return (vf * (r / (r + c))).to(v.dtype)
+
+
+class _BackwardOnly(torch.autograd.Function):
+    """Identity forward; the backward applies V-scale's Jacobian (symmetric) to the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, v: torch.Tensor, c: float) -> torch.Tensor:
+        ctx.save_for_backward(v)
+        ctx.c = c
+        return v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (v,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = v.detach().requires_grad_(True)
+            (g,) = torch.autograd.grad(_radial_scale(x, torch.tensor(ctx.c, dtype=x.dtype)), x, grad)
+        return g, None
+
+
+class VScale(nn.Module):
+    """V-scale on value states [B, H_kv_local, T, d_head]; ``mode`` ``on`` learns ``theta`` [H_kv] (laid out like
+    the KV heads: TP placement ``sharded_params``), ``backward`` has no parameter."""
+
+    param_class = "v_scale"
+
+    def __init__(self, n_kv_heads: int, base: float, mode: str):
+        super().__init__()
+        if mode not in ("on", "backward"):
+            raise ValueError(f"VScale mode {mode!r}")
+        self.base, self.mode = base, mode
+        self.theta = nn.Parameter(torch.empty(n_kv_heads)) if mode == "on" else None
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        if self.theta is None:
+            return _BackwardOnly.apply(v, self.base)
+        dt = torch.promote_types(v.dtype, torch.float32)
+        c = self.base * torch.exp(local(self.theta).to(dt)).view(1, -1, 1, 1)
+        return _radial_scale(v, c)
+
+    def init_weights(self, init) -> None:
+        if self.theta is not None:
+            init.constant(self.theta, 0.0)
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm of each head's attention output [B, H_local, T, d_head] over d_head; the gain ``weight`` is
+    [H * d_head], head-major (TP placement ``sharded_params``), or None without a gain."""
+
+    is_norm = True
+
+    def __init__(self, n_heads: int, head_dim: int, eps: float, gain: bool = True):
+        super().__init__()
+        self.head_dim, self.eps = head_dim, eps
+        self.weight = nn.Parameter(torch.empty(n_heads * head_dim)) if gain else None
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        yf = y.to(torch.promote_types(y.dtype, torch.float32))
+        out = (yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + self.eps)).to(y.dtype)
+        if self.weight is None:
+            return out
+        return out * local(self.weight).view(1, -1, 1, self.head_dim).to(y.dtype)
+
+    def init_weights(self, init) -> None:
+        if self.weight is not None:
+            init.constant(self.weight, 1.0)
