@@ -13,6 +13,7 @@ from outlier_titan.hf.adapters import adapter_for_args
 from outlier_titan.models.attention_variants import variants
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import get_spec, model_args
+from outlier_titan.models.value_path import calibrated_gain
 from outlier_titan.optim.params import trainable_params
 from tests.launch import REPO
 
@@ -26,7 +27,7 @@ def build(seed=0, **options):
     return args, model
 
 
-def reference_attention(att, x, v_scale=None, theta=None, c0=None, head_norm=None, gain=None, eps=1e-5):
+def reference_attention(att, x, v_scale=None, theta=None, c0=None, head_norm=None, gain=None, eps=1e-6):
     """Causal softmax attention of one block in float64, from the papers' formulas: V-scale
     ``v^ = |v|^2 / (|v|^2 + C) v`` with ``C = c0 exp(theta_h)`` per KV head (Chen et al. 2026, Sec. 5.1; ``backward``:
     their rebuttal's ``sg(v) + phi v - sg(phi v)`` at theta = 0), and head-wise RMSNorm of each head's
@@ -80,7 +81,7 @@ def test_block_output_and_gradients_match_the_float64_formula(v_scale, head_norm
     gain = att.head_norm.weight if att.head_norm is not None else None
     ref = reference_attention(att, x_ref, v_scale if v_scale != "off" else None, theta,
                               args.dim * att.head_dim * args.init_std ** 2,
-                              head_norm if head_norm != "off" else None, gain, args.norm_eps)
+                              head_norm if head_norm != "off" else None, gain)
     ref_grads = torch.autograd.grad(ref, [x_ref, *params], g_out)
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
     for name, a, b in zip(["x", *[n for n, p in att.named_parameters() if p.requires_grad]], grads, ref_grads):
@@ -112,10 +113,15 @@ def test_parameters_classes_init_and_tp_placements():
     args, model = build(v_scale="on", head_norm="on")
     classes = {fqn: cls for fqn, cls, _ in trainable_params(model)}
     assert classes["layers.0.attention.v_scale.theta"] == "v_scale"
-    assert classes["layers.0.attention.head_norm.weight"] == "norm"
+    assert classes["layers.0.attention.head_norm.weight"] == "head_norm"
     att = model.layers["1"].attention
     assert att.v_scale.theta.shape == (args.n_kv_heads,) and torch.equal(att.v_scale.theta, torch.zeros(2))
-    assert att.head_norm.weight.shape == (args.dim,) and torch.equal(att.head_norm.weight, torch.ones(args.dim))
+    # the authors' calibration: one value per head, the std of that head's W_V z (about sqrt(dim) * init_std)
+    gain = att.head_norm.weight.detach().view(args.n_heads, -1)
+    assert gain.shape == (args.n_heads, args.dim // args.n_heads) and torch.equal(gain, gain[:, :1].expand_as(gain))
+    assert ((gain[:, 0] / (args.dim ** 0.5 * args.init_std)).log().abs() < 1.0).all(), gain[:, 0]
+    # GQA: query heads 0, 1 read KV head 0 and share its value; 2, 3 read KV head 1
+    assert gain[0, 0] == gain[1, 0] and gain[2, 0] == gain[3, 0] and gain[0, 0] != gain[2, 0]
     assert att.v_scale.base == pytest.approx(args.dim * (args.dim // args.n_heads) * 0.02 ** 2)
     extra = get_spec("pre_ln").tp_plan.extra
     assert extra["layers.*.attention.v_scale"] == extra["layers.*.attention.head_norm"] == "sharded_params"
@@ -135,3 +141,21 @@ def test_hf_export_refuses_and_bad_values_are_one_line():
         assert "\n" not in str(e.value) and key in str(e.value) and "choose one of" in str(e.value)
     with pytest.raises(ConfigError, match="not an option of model spec 'op'"):
         model_args(ModelConfig(name="op", v_scale="on"), 256, 32)
+
+
+def test_head_norm_calibration_is_the_std_of_each_heads_first_value():
+    """``calibrated_gain`` against the authors' rule in float64: query head h takes the population std over d_head
+    of KV head ``h // (H / H_kv)`` of ``W_V z + b``."""
+    gen = torch.Generator().manual_seed(3)
+    n_heads, n_kv, d_head, dim = 6, 2, 4, 12
+    w, b, z = (torch.randn(n_kv * d_head, dim, generator=gen, dtype=torch.float64),
+               torch.randn(n_kv * d_head, generator=gen, dtype=torch.float64),
+               torch.randn(dim, generator=gen, dtype=torch.float64))
+    got = calibrated_gain(w, b, z, n_heads, d_head).view(n_heads, d_head)
+    v0 = [sum(w[i, j] * z[j] for j in range(dim)) + b[i] for i in range(n_kv * d_head)]
+    for h in range(n_heads):
+        part = v0[(h // 3) * d_head:(h // 3 + 1) * d_head]
+        mean = sum(part) / d_head
+        std = math.sqrt(sum((x - mean) ** 2 for x in part) / d_head)
+        for c in range(d_head):
+            assert abs(got[h, c].item() - float(std)) < 1e-12

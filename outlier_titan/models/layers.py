@@ -173,9 +173,10 @@ class Attention(nn.Module):
         for p in get_variant(self.variant).params:
             if not p.reads_input:
                 getattr(self, p.name).init_weights(init)
-        for step in (self.v_scale, self.head_norm):
-            if step is not None:
-                step.init_weights(init)
+        if self.v_scale is not None:
+            self.v_scale.init_weights(init)
+        if self.head_norm is not None:  # calibrated from wv: init_weights has initialised wv before this
+            self.head_norm.init_weights(init, self.wv)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, D] -> q, k, v as [B, H_local, T, d_h], with QK-norm and RoPE applied."""

@@ -12,8 +12,11 @@ authors' backward-only control (their NeurIPS 2026 rebuttal to reviewer 6L5L): t
 the backward applies the same Jacobian with ``theta`` frozen at 0 (no parameter).
 
 **Head-wise RMSNorm** (Li, Jiang, Sun, Hu 2026, "The Structural Origin of Attention Sink", arXiv 2605.06611, ICML
-2026): each head's value-aggregation output ``y_h = sum_j A_hj v_j`` [d_head] is RMS-normalised on its own before
-the output projection, with a learned per-head, per-channel gain (initialised to 1) unless ``head_norm_gain`` is off.
+2026; the authors' code github.com/Siquan-Li/Head-wise-RMSNorm): each head's value-aggregation output
+``o_h = sum_j A_hj v_j`` [d_head] is RMS-normalised on its own before ``W_O``, ``o_h / RMS(o_h) * gamma_h`` (eps 1e-6),
+with a learned gain per head and channel that the authors initialise by calibration: ``gamma_h`` is, in every
+channel, the standard deviation over ``d_head`` of the first token's output under a standard normal input, which
+is ``W_V z`` for that head (the first token attends only to itself), ``z ~ N(0, I)``. ``nogain``: no gain.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from outlier_titan.tensors import local
+from outlier_titan.tensors import full, local
 
 V_SCALE_MODES = ("off", "on", "backward")
+HEAD_NORM_EPS = 1e-6
+"""The authors' HeadRMSNorm eps (their code's default; the model's other norms keep ``norm_eps``)."""
 
 
 def v_scale_constant(dim: int, head_dim: int, init_std: float) -> float:
@@ -83,13 +88,13 @@ class VScale(nn.Module):
 
 class HeadRMSNorm(nn.Module):
     """RMSNorm of each head's attention output [B, H_local, T, d_head] over d_head; the gain ``weight`` is
-    [H * d_head], head-major (TP placement ``sharded_params``), or None without a gain."""
+    [H * d_head], head-major (TP placement ``sharded_params``; parameter class ``head_norm``), or None."""
 
-    is_norm = True
+    param_class = "head_norm"
 
-    def __init__(self, n_heads: int, head_dim: int, eps: float, gain: bool = True):
+    def __init__(self, n_heads: int, head_dim: int, gain: bool = True, eps: float = HEAD_NORM_EPS):
         super().__init__()
-        self.head_dim, self.eps = head_dim, eps
+        self.n_heads, self.head_dim, self.eps = n_heads, head_dim, eps
         self.weight = nn.Parameter(torch.empty(n_heads * head_dim)) if gain else None
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
@@ -99,6 +104,19 @@ class HeadRMSNorm(nn.Module):
             return out
         return out * local(self.weight).view(1, -1, 1, self.head_dim).to(y.dtype)
 
-    def init_weights(self, init) -> None:
-        if self.weight is not None:
-            init.constant(self.weight, 1.0)
+    def init_weights(self, init, wv: nn.Linear) -> None:
+        """The authors' calibration from the (initialised) value projection ``wv`` and a draw of ``z``."""
+        if self.weight is None:
+            return
+        z = torch.empty(wv.in_features, dtype=torch.float32, device=init.device).normal_(generator=init.gen)
+        bias = full(wv.bias) if wv.bias is not None else None
+        init.value(self.weight, calibrated_gain(full(wv.weight), bias, z, self.n_heads, self.head_dim))
+
+
+def calibrated_gain(w_v: torch.Tensor, b_v: torch.Tensor | None, z: torch.Tensor, n_heads: int,
+                    head_dim: int) -> torch.Tensor:
+    """``gamma`` [n_heads * head_dim]: for each query head, in every channel, the population std over head_dim of its
+    KV head's part of ``W_V z + b_V``."""
+    v0 = w_v.detach().to(z) @ z + (b_v.detach().to(z) if b_v is not None else 0)
+    std = v0.view(-1, head_dim).std(-1, unbiased=False)  # [n_kv_heads]
+    return std.repeat_interleave(n_heads // std.numel()).view(-1, 1).expand(n_heads, head_dim).reshape(-1)

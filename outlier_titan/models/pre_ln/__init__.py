@@ -31,9 +31,10 @@ class PreLNOptions:
                               "only matrices, so list it in optimizer.no_decay to match it.",
                        ("off", "on", "backward"))
     head_norm: str = opt("off", "Head-wise RMSNorm (Li, Jiang, Sun, Hu 2026, arXiv 2605.06611): each head's "
-                                "attention output RMS-normalised over head_dim before wo (and before a gated "
-                                "variant's gate); 'on': a learned per-head, per-channel gain (init 1, class norm), "
-                                "our choice where the paper's text was not available to us; 'nogain': none.",
+                                "attention output RMS-normalised over head_dim (eps 1e-6) before wo (and before a "
+                                "gated variant's gate); 'on': a learned gain per head and channel, initialised by "
+                                "the authors' calibration (the std of W_V z per head, z ~ N(0, I)), parameter "
+                                "class head_norm (decayed by default, as the authors' 2-D gain is); 'nogain': none.",
                          ("off", "on", "nogain"))
 
 
@@ -81,6 +82,7 @@ FLAVORS = {
 
 
 NO_DECAY_CLASSES.add("v_scale")
+NO_DECAY_CLASSES.add("head_norm")
 
 
 def _tp_unsupported(args) -> str | None:

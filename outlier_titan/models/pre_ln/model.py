@@ -133,7 +133,7 @@ class Block(nn.Module):
         head_dim = args.dim // args.n_heads
         v_scale = (VScale(args.n_kv_heads, v_scale_constant(args.dim, head_dim, args.init_std), args.v_scale)
                    if args.v_scale != "off" else None)
-        head_norm = (HeadRMSNorm(args.n_heads, head_dim, args.norm_eps, gain=args.head_norm == "on")
+        head_norm = (HeadRMSNorm(args.n_heads, head_dim, gain=args.head_norm == "on")
                      if args.head_norm != "off" else None)
         self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.bias, opts.variant,
                                    qk_norm=args.qk_norm, rope=rope, norm_eps=args.norm_eps, opts=opts,
