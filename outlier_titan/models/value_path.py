@@ -26,7 +26,6 @@ import torch.nn as nn
 
 from outlier_titan.tensors import full, local
 
-V_SCALE_MODES = ("off", "on", "backward")
 HEAD_NORM_EPS = 1e-6
 """The authors' HeadRMSNorm eps (their code's default; the model's other norms keep ``norm_eps``)."""
 
@@ -36,8 +35,8 @@ def v_scale_constant(dim: int, head_dim: int, init_std: float) -> float:
     return dim * head_dim * init_std ** 2
 
 
-def _radial_scale(v: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``phi(||v||^2) v`` over the last dim (computed in at least float32); ``c`` broadcasts over [B, H, T, 1]."""
+def _radial_scale(v: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:
+    """``phi(||v||^2) v`` over the last dim (computed in at least float32); ``c`` a number or [1, H, 1, 1]."""
     vf = v.to(torch.promote_types(v.dtype, torch.float32))
     r = vf.pow(2).sum(-1, keepdim=True)
     return (vf * (r / (r + c))).to(v.dtype)
@@ -54,11 +53,13 @@ class _BackwardOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        """``J^T g = phi(r) g + 2C / (r + C)^2 (v . g) v`` (the paper's Proposition 3; J is symmetric)."""
         (v,) = ctx.saved_tensors
-        with torch.enable_grad():
-            x = v.detach().requires_grad_(True)
-            (g,) = torch.autograd.grad(_radial_scale(x, torch.tensor(ctx.c, dtype=x.dtype)), x, grad)
-        return g, None
+        dt = torch.promote_types(v.dtype, torch.float32)
+        vf, gf, c = v.to(dt), grad.to(dt), ctx.c
+        r = vf.pow(2).sum(-1, keepdim=True)
+        radial = (2 * c / (r + c) ** 2) * (vf * gf).sum(-1, keepdim=True)
+        return (r / (r + c) * gf + radial * vf).to(grad.dtype), None
 
 
 class VScale(nn.Module):
