@@ -287,7 +287,7 @@ def test_the_registry_feeds_the_config_and_the_model_code():
     fields = {f.name: f for f in dataclasses.fields(Model)}
     assert list(fields["attention"].metadata["choices"]) == names
     assert {n for n in names if reg.get_variant(n).torch_forms().sdpa is not None} == set(SDPA + ("sink_logit",))
-    assert tuple(NO_DECAY_CLASSES) == ("norm", "bias", "embedding", "gain", "sink")
+    assert tuple(NO_DECAY_CLASSES) == ("norm", "bias", "embedding", "gain", "v_scale", "head_norm", "sink")
     owned = {k: f.metadata["owner"] for k, f in fields.items() if f.metadata.get("kind") == reg.KIND}
     assert owned == {"attention_sink_init": "sink_logit", "attention_softpick_eps": "softpick",
                      "attention_sigmoid_bias": "sigmoid", "attention_relu_norm": "relu",

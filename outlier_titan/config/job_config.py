@@ -81,7 +81,7 @@ class OptimizerCommon:
                               ["auto", "fused", "foreach"])
     no_decay: list = opt(["norm", "bias", "embedding"],
                          "Parameter classes without weight decay: any of norm, bias, embedding, gain, sink "
-                         "(learned attention sink logits).")
+                         "(learned attention sink logits), v_scale, head_norm (pre_ln's value-path steps).")
 
 
 _COMMON = {"model": ModelCommon, "optimizer": OptimizerCommon}

@@ -313,11 +313,19 @@ def adapter_for_hf(config: dict[str, Any]):
     return ADAPTERS[kind]
 
 
+def _value_path_step(args) -> str | None:
+    """Why a model with V-scale or head-wise RMSNorm (``models/value_path.py``) has no HF form, or None."""
+    for option in ("v_scale", "head_norm"):
+        if getattr(args, option, "off") != "off":
+            return f"model.{option} = {getattr(args, option)!r} (neither HF GPT-2 nor Llama has that step)"
+    return None
+
+
 def adapter_for_args(args) -> tuple[Any, str]:
     """(adapter, "") for a ``pre_ln`` model HF can hold, else (None, why not for the closest family)."""
     mlp = getattr(args, "mlp", None)
     adapter = LlamaAdapter if mlp == "swiglu" else GPT2Adapter
-    why = adapter.exportable(args)
+    why = _value_path_step(args) or adapter.exportable(args)
     return (None, why) if why else (adapter, "")
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from outlier_titan.models.attention import attention_weights, run_attention
 from outlier_titan.models.attention_variants import AttentionOptions, get_variant
+from outlier_titan.models.value_path import HeadRMSNorm, VScale
 
 
 class RMSNorm(nn.Module):
@@ -129,12 +130,15 @@ class Attention(nn.Module):
 
     ``variant`` names the attention variant (:mod:`outlier_titan.models.attention_variants`); ``opts`` carries its
     options. The modules the variant declares (e.g. a sink logit or a gate) are created after the projections, as
-    attributes under their declared names.
+    attributes under their declared names. Optional value-path steps (:mod:`outlier_titan.models.value_path`):
+    ``v_scale`` on the values, ``head_norm`` on each head's aggregated output (before the variant's output step
+    and ``wo``); None when off.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, bias: bool, variant: str,
                  qk_norm: bool = False, rope: RotaryEmbedding | None = None, norm_eps: float = 1e-6,
-                 opts: AttentionOptions | None = None):
+                 opts: AttentionOptions | None = None, v_scale: VScale | None = None,
+                 head_norm: HeadRMSNorm | None = None):
         super().__init__()
         self.head_dim = dim // n_heads
         self.opts = opts if opts is not None else AttentionOptions(variant=variant)
@@ -146,6 +150,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.rope = rope
+        self.v_scale, self.head_norm = v_scale, head_norm
         entry = get_variant(self.variant)
         self._forms = entry.torch_forms()
         if entry.params:
@@ -164,10 +169,14 @@ class Attention(nn.Module):
         return [getattr(self, name) for name in get_variant(self.variant).reads_input]
 
     def init_variant(self, init) -> None:
-        """Initialises the variant's other modules (their ``init_weights``)."""
+        """Initialises the variant's other modules and the value-path steps (their ``init_weights``)."""
         for p in get_variant(self.variant).params:
             if not p.reads_input:
                 getattr(self, p.name).init_weights(init)
+        if self.v_scale is not None:
+            self.v_scale.init_weights(init)
+        if self.head_norm is not None:  # calibrated from wv: init_weights has initialised wv before this
+            self.head_norm.init_weights(init, self.wv)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, D] -> q, k, v as [B, H_local, T, d_h], with QK-norm and RoPE applied."""
@@ -179,6 +188,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(q), self.rope(k)
+        if self.v_scale is not None:  # before the KV cache's quantiser: v^ is what the cache holds
+            v = self.v_scale(v)
         if self.kv_quant is not None:
             k, v = self.kv_quant(k, v)
         return q, k, v
@@ -194,6 +205,8 @@ class Attention(nn.Module):
         state = self._forms.state(self) if self._forms.state is not None else None
         out = attention(q, k, v, self.variant, scale=scale, prob_hook=self.prob_hook, opts=self.opts, state=state,
                         softcap=softcap)
+        if self.head_norm is not None:
+            out = self.head_norm(out)
         if self._forms.output is not None:
             out = self._forms.output(self, out, x)
         if self.head_hook is not None:  # the probe: per-head outputs and value states

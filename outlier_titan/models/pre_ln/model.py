@@ -11,7 +11,8 @@ gain | rmsnorm_nogain), ``attention`` (softmax | softmax1, exact | the sink reme
 :mod:`outlier_titan.models.attention`, with its ``attention_*`` options; ``softmax`` is its old spelling),
 ``pos_encoding`` (learned | rope | none),
 ``rope_fraction`` (share of each head's dims that RoPE rotates; GPT+ uses 0.5), ``bias``, ``qk_norm``,
-``mlp``, ``tie_embeddings``.
+``mlp``, ``tie_embeddings``; on the value path (:mod:`outlier_titan.models.value_path`) ``v_scale`` (Chen, Lin, Yao
+2026's V-scale) and ``head_norm`` (Li et al. 2026's head-wise RMSNorm).
 
 Kaul et al. 2024 flavors (``kaul2024_*``, formerly ``seed000_*``; the paper gives sizes only, no shapes): RMSNormSingle at every norm site
 (pre-attention, pre-MLP, final), no biases in any linear layer, learned absolute positions, GELU, tied
@@ -49,6 +50,7 @@ from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import MLP, Attention, RotaryEmbedding, build_norm, init_norms
 from outlier_titan.models.pre_ln import PreLNOptions
 from outlier_titan.models.roles import DEFAULT_ROLES
+from outlier_titan.models.value_path import HeadRMSNorm, VScale, v_scale_constant
 
 
 @dataclass
@@ -128,8 +130,14 @@ class Block(nn.Module):
         super().__init__()
         self.attention_norm = build_norm(args.norm, args.dim, args.norm_eps, args.bias)
         opts = block_options(args, layer_id)
+        head_dim = args.dim // args.n_heads
+        v_scale = (VScale(args.n_kv_heads, v_scale_constant(args.dim, head_dim, args.init_std), args.v_scale)
+                   if args.v_scale != "off" else None)
+        head_norm = (HeadRMSNorm(args.n_heads, head_dim, gain=args.head_norm == "on")
+                     if args.head_norm != "off" else None)
         self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.bias, opts.variant,
-                                   qk_norm=args.qk_norm, rope=rope, norm_eps=args.norm_eps, opts=opts)
+                                   qk_norm=args.qk_norm, rope=rope, norm_eps=args.norm_eps, opts=opts,
+                                   v_scale=v_scale, head_norm=head_norm)
         self.ffn_norm = build_norm(args.norm, args.dim, args.norm_eps, args.bias)
         self.feed_forward = MLP(args.dim, args.ffn_hidden, args.mlp, args.bias)
 
