@@ -1,4 +1,4 @@
-"""V-scale (Chen, Lin, Yao 2026) and head-wise RMSNorm (Li et al. 2026) on pre_ln: their formulas against a
+"""V-scale (Chen, Lin, Yao 2026) and head-wise RMSNorm (Li et al. 2026) on pre_ln and op: their formulas against a
 float64 attention written from the papers, the backward-only V-scale's forward bitwise equal to no V-scale on
 every variant and path, parameters (classes, init), the HF refusal and the one-line config errors."""
 
@@ -20,8 +20,9 @@ from tests.launch import REPO
 IMPLS = ("explicit", "chunked", "auto")
 
 
-def build(seed=0, **options):
-    spec, args = model_args(ModelConfig(name="pre_ln", flavor="debug_llama", **options), 256, 64)
+def build(seed=0, spec_name="pre_ln", **options):
+    flavor = {"pre_ln": "debug_llama", "op": "debug"}[spec_name]
+    spec, args = model_args(ModelConfig(name=spec_name, flavor=flavor, **options), 256, 64)
     model = spec.build(args)
     model.init_weights(Initializer(seed, "cpu"))
     return args, model
@@ -37,7 +38,8 @@ def reference_attention(att, x, v_scale=None, theta=None, c0=None, head_norm=Non
     q = (x @ att.wq.weight.T).view(b, t, -1, d).transpose(1, 2)
     k = (x @ att.wk.weight.T).view(b, t, -1, d).transpose(1, 2)
     v = (x @ att.wv.weight.T).view(b, t, -1, d).transpose(1, 2)
-    q, k = att.rope(q), att.rope(k)  # RoPE is the model's own (not under test here)
+    if att.rope is not None:  # RoPE is the model's own (not under test here)
+        q, k = att.rope(q), att.rope(k)
     if v_scale is not None:
         c = c0 * (theta.exp().view(1, -1, 1, 1) if theta is not None else torch.ones(1, dtype=x.dtype))
         r = (v * v).sum(-1, keepdim=True)
@@ -59,12 +61,22 @@ def reference_attention(att, x, v_scale=None, theta=None, c0=None, head_norm=Non
                                                ("on", "on")])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_block_output_and_gradients_match_the_float64_formula(v_scale, head_norm, impl):
-    args, model = build(v_scale=v_scale, head_norm=head_norm, attention_impl=impl)
+    check_against_formula("pre_ln", v_scale, head_norm, impl)
+
+
+@pytest.mark.parametrize("v_scale,head_norm", [("on", "on"), ("backward", "nogain")])
+def test_the_op_block_takes_the_same_steps(v_scale, head_norm):
+    """He et al. 2024's OP block (MHA, learned positions; QK-norm off so the float64 formula stays plain attention)."""
+    check_against_formula("op", v_scale, head_norm, "chunked", qk_norm=False)
+
+
+def check_against_formula(spec_name, v_scale, head_norm, impl, **options):
+    args, model = build(spec_name=spec_name, v_scale=v_scale, head_norm=head_norm, attention_impl=impl, **options)
     model = model.double()
     att = model.layers["0"].attention
     with torch.no_grad():  # move theta and the gain off their init so the test sees them
         if att.v_scale is not None and att.v_scale.theta is not None:
-            att.v_scale.theta.copy_(torch.tensor([0.7, -1.3], dtype=torch.float64))
+            att.v_scale.theta.copy_(torch.linspace(0.7, -1.3, att.v_scale.theta.numel(), dtype=torch.float64))
         if att.head_norm is not None and att.head_norm.weight is not None:
             att.head_norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(2, 40, args.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -87,7 +99,7 @@ def test_block_output_and_gradients_match_the_float64_formula(v_scale, head_norm
     for name, a, b in zip(["x", *[n for n, p in att.named_parameters() if p.requires_grad]], grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=name)
     if v_scale != "off":  # the step does change the values' gradient (phi is far from 1 on the small tokens)
-        _, plain = build(v_scale="off", head_norm=head_norm, attention_impl=impl)
+        _, plain = build(spec_name=spec_name, v_scale="off", head_norm=head_norm, attention_impl=impl, **options)
         plain = plain.double()
         plain.load_state_dict(model.state_dict(), strict=False)
         g_plain = torch.autograd.grad(plain.layers["0"].attention(x), x, g_out)[0]
@@ -139,8 +151,8 @@ def test_hf_export_refuses_and_bad_values_are_one_line():
         with pytest.raises(ConfigError) as e:
             parse_args(["--config", str(REPO / "train_configs/debug.toml"), f"--model.{key}", value])
         assert "\n" not in str(e.value) and key in str(e.value) and "choose one of" in str(e.value)
-    with pytest.raises(ConfigError, match="not an option of model spec 'op'"):
-        model_args(ModelConfig(name="op", v_scale="on"), 256, 32)
+    with pytest.raises(ConfigError, match="not an option of model spec 'ngpt'"):
+        model_args(ModelConfig(name="ngpt", v_scale="on"), 256, 32)
 
 
 def test_head_norm_calibration_is_the_std_of_each_heads_first_value():

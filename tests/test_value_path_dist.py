@@ -1,4 +1,5 @@
 """V-scale and head-wise RMSNorm train through train.py with equal losses on 1 rank, FSDP 2 and FSDP 2 x TP 2 (gloo;
+pre_ln; op on 1 rank and FSDP 2 x TP 2;
 their per-head parameters sharded with the heads under TP), and their parameters survive the checkpoint."""
 
 import pytest
@@ -37,3 +38,10 @@ def test_v_scale_and_head_norm_train_equally_on_1_rank_fsdp2_and_fsdp2_tp2(tmp_p
     spec, args = model_args(ModelConfig(name="pre_ln", flavor="debug_llama", v_scale="on", head_norm="on"),
                             weights["tok_embeddings.weight"].shape[0], 64)
     spec.build(args).load_state_dict(weights, strict=True)
+
+
+def test_the_op_block_with_both_steps_trains_equally_on_1_rank_and_fsdp2_tp2(tmp_path):
+    options = ["--model.name", "op", "--model.v_scale", "on", "--model.head_norm", "on"]
+    runs = {layout: train(tmp_path, *TINY, *options, *extra, nproc=nproc, name=layout).check()
+            for layout, (nproc, extra) in LAYOUTS.items() if layout != "fsdp2"}
+    assert_losses_close(runs["fsdp2_tp2"].losses, runs["one_rank"].losses, rtol=1e-4)

@@ -1,4 +1,5 @@
-"""Two optional steps on an attention block's value path (``pre_ln``'s ``model.v_scale`` and ``model.head_norm``).
+"""Two optional steps on an attention block's value path (``model.v_scale`` and ``model.head_norm``, options of the
+``pre_ln`` and ``op`` specs).
 
 **V-scale** (Chen, Lin, Yao 2026, "Attention Sinks Induce Gradient Sinks", arXiv 2603.17771, Sec. 5.1): every value
 state, per value head and token, is scaled radially before the aggregation,
@@ -21,10 +22,51 @@ is ``W_V z`` for that head (the first token attends only to itself), ``z ~ N(0, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
+from outlier_titan.options import NO_DECAY_CLASSES, opt
 from outlier_titan.tensors import full, local
+
+@dataclass
+class ValuePathOptions:
+    """The value-path options of the specs built on :class:`~outlier_titan.models.layers.Attention` (mixed into
+    their options: ``PreLNOptions``, ``OPOptions``)."""
+
+    v_scale: str = opt("off", "V-scale (Chen, Lin, Yao 2026, arXiv 2603.17771): every value state scaled by "
+                              "phi(|v|^2) = |v|^2 / (|v|^2 + C), C = dim * head_dim * init_std^2 * exp(theta), one "
+                              "learned theta per layer and KV head (init 0), as the paper's Sec. 5.1; 'backward': "
+                              "the authors' backward-only control (forward unchanged, same Jacobian in the "
+                              "backward, theta frozen at 0). theta is parameter class v_scale: the paper decays "
+                              "only matrices, so list it in optimizer.no_decay to match it.",
+                       ("off", "on", "backward"))
+    head_norm: str = opt("off", "Head-wise RMSNorm (Li, Jiang, Sun, Hu 2026, arXiv 2605.06611): each head's "
+                                "attention output RMS-normalised over head_dim (eps 1e-6) before wo (and before a "
+                                "gated variant's gate); 'on': a learned gain per head and channel, initialised by "
+                                "the authors' calibration (the std of W_V z per head, z ~ N(0, I)), parameter "
+                                "class head_norm (decayed by default, as the authors' 2-D gain is); 'nogain': none.",
+                         ("off", "on", "nogain"))
+
+
+VALUE_PATH_TP = {"layers.*.attention.v_scale": "sharded_params", "layers.*.attention.head_norm": "sharded_params"}
+"""TP placements: V-scale's theta [n_kv_heads] and the head norm's gain [n_heads * head_dim] are laid out like
+wv's / wo's heads."""
+
+for _class in ("v_scale", "head_norm"):
+    NO_DECAY_CLASSES.add(_class)
+
+
+def value_path_steps(args) -> dict[str, nn.Module | None]:
+    """The ``v_scale`` / ``head_norm`` modules a block's :class:`Attention` takes for a spec's ``args`` (None when
+    off)."""
+    head_dim = args.dim // args.n_heads
+    return {"v_scale": (VScale(args.n_kv_heads, v_scale_constant(args.dim, head_dim, args.init_std), args.v_scale)
+                        if args.v_scale != "off" else None),
+            "head_norm": (HeadRMSNorm(args.n_heads, head_dim, gain=args.head_norm == "on")
+                          if args.head_norm != "off" else None)}
+
 
 HEAD_NORM_EPS = 1e-6
 """The authors' HeadRMSNorm eps (their code's default; the model's other norms keep ``norm_eps``)."""

@@ -6,13 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from outlier_titan.models.spec import ModelSpec, TPPlan, register_spec
+from outlier_titan.models.value_path import VALUE_PATH_TP, ValuePathOptions
 from outlier_titan.options import opt
 
 OP_BLOCKS = ("op", "pre_ln", "pre_rms", "pre_srms", "post_ln")
 
 
 @dataclass
-class OPOptions:
+class OPOptions(ValuePathOptions):
     block: str = opt("op", "Block variant: the Outlier Protected block or a baseline of He et al. 2024.", OP_BLOCKS)
     final_norm: bool = opt(False, "A final norm before the head (OP: none).")
     residual_scale: float = opt(0.2, "beta, the residual-branch scale (its init when trainable).")
@@ -59,7 +60,7 @@ SPEC = register_spec(ModelSpec(
     # The blocks' norms (pre- or post-position) keep local outputs; the trainable scales are replicated over the
     # sequence shards.
     tp_plan=TPPlan(block_norms=False, extra={
-        "layers.*.attention_norm": "sequence_local", "layers.*.ffn_norm": "sequence_local",
+        **VALUE_PATH_TP, "layers.*.attention_norm": "sequence_local", "layers.*.ffn_norm": "sequence_local",
         "layers.*.attn_scale": "replicated_on_shards", "layers.*.mlp_scale": "replicated_on_shards",
         "layers.*.mlp_input_scale": "replicated_on_shards"}),
     rotation=_rotation,

@@ -65,6 +65,7 @@ from outlier_titan.models.layers import MLP, Attention, LayerNorm, RotaryEmbeddi
 from outlier_titan.models.op import OP_BLOCKS, OPOptions
 from outlier_titan.models.pre_ln.model import build_rope, rope_dims
 from outlier_titan.models.roles import DEFAULT_ROLES
+from outlier_titan.models.value_path import value_path_steps
 
 _BLOCK_NORM = {"pre_ln": "layernorm", "pre_rms": "rmsnorm", "pre_srms": "rmsnorm_nogain", "post_ln": "layernorm"}
 
@@ -155,7 +156,7 @@ class OPAttention(Attention):
     def __init__(self, args: OPArgs, rope: RotaryEmbedding | None, layer_id: int = 0):
         opts = block_options(args, layer_id)
         super().__init__(args.dim, args.n_heads, args.n_kv_heads, args.bias, opts.variant, qk_norm=args.qk_norm,
-                         rope=rope, norm_eps=args.norm_eps, opts=opts)
+                         rope=rope, norm_eps=args.norm_eps, opts=opts, **value_path_steps(args))
         self.softcap = args.logit_softcap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from outlier_titan.models.spec import ModelSpec, TPPlan, register_spec
-from outlier_titan.options import NO_DECAY_CLASSES, opt
+from outlier_titan.models.value_path import VALUE_PATH_TP, ValuePathOptions
+from outlier_titan.options import opt
 
 NORMS = ("layernorm", "rmsnorm", "rmsnorm_single", "rmsnorm_nogain")
 
 
 @dataclass
-class PreLNOptions:
+class PreLNOptions(ValuePathOptions):
     norm: str = opt("layernorm", "Norm type (rmsnorm_single: one scalar gain, Kaul et al. 2024's RMSNormSingle; "
                                  "rmsnorm_nogain: no gain).", NORMS)
     embed_proj: bool = opt(False, "Outlier-Safe Pre-Training's embedding projection (Park et al. 2025): learnable d x d "
@@ -23,19 +24,6 @@ class PreLNOptions:
     embed_proj_init: str = opt("orthogonal", "With model.embed_proj: the projections' initialisation, a random "
                                              "orthogonal matrix as the released OSP code (identity: a variant).",
                                ("orthogonal", "identity"))
-    v_scale: str = opt("off", "V-scale (Chen, Lin, Yao 2026, arXiv 2603.17771): every value state scaled by "
-                              "phi(|v|^2) = |v|^2 / (|v|^2 + C), C = dim * head_dim * init_std^2 * exp(theta), one "
-                              "learned theta per layer and KV head (init 0), as the paper's Sec. 5.1; 'backward': "
-                              "the authors' backward-only control (forward unchanged, same Jacobian in the "
-                              "backward, theta frozen at 0). theta is parameter class v_scale: the paper decays "
-                              "only matrices, so list it in optimizer.no_decay to match it.",
-                       ("off", "on", "backward"))
-    head_norm: str = opt("off", "Head-wise RMSNorm (Li, Jiang, Sun, Hu 2026, arXiv 2605.06611): each head's "
-                                "attention output RMS-normalised over head_dim (eps 1e-6) before wo (and before a "
-                                "gated variant's gate); 'on': a learned gain per head and channel, initialised by "
-                                "the authors' calibration (the std of W_V z per head, z ~ N(0, I)), parameter "
-                                "class head_norm (decayed by default, as the authors' 2-D gain is); 'nogain': none.",
-                         ("off", "on", "nogain"))
 
 
 GPT2 = dict(norm="layernorm", pos_encoding="learned", bias=True, mlp="gelu", tie_embeddings=True)
@@ -81,8 +69,6 @@ FLAVORS = {
 
 
 
-NO_DECAY_CLASSES.add("v_scale")
-NO_DECAY_CLASSES.add("head_norm")
 
 
 def _tp_unsupported(args) -> str | None:
@@ -100,8 +86,7 @@ SPEC = register_spec(ModelSpec(
     flavor_aliases={f"seed000_{n[len('kaul2024_'):]}": n for n in FLAVORS if n.startswith("kaul2024_")},
     # V-scale's theta [n_kv_heads] and the head norm's gain [n_heads * head_dim] are laid out like wv's / wo's heads
     tp_plan=TPPlan(loss_parallel=True, unsupported=_tp_unsupported,
-                   extra={"layers.*.attention.v_scale": "sharded_params",
-                          "layers.*.attention.head_norm": "sharded_params"}),
+                   extra=VALUE_PATH_TP),
     hf_adapter="outlier_titan.hf.adapters:adapter_for_args",
     rotation=None,
     description="Pre-LN GPT-2 / Llama with softmax-1, single-scale RMSNorm and QK-norm (GPT+) options",

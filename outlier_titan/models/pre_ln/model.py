@@ -50,7 +50,7 @@ from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import MLP, Attention, RotaryEmbedding, build_norm, init_norms
 from outlier_titan.models.pre_ln import PreLNOptions
 from outlier_titan.models.roles import DEFAULT_ROLES
-from outlier_titan.models.value_path import HeadRMSNorm, VScale, v_scale_constant
+from outlier_titan.models.value_path import value_path_steps
 
 
 @dataclass
@@ -130,14 +130,9 @@ class Block(nn.Module):
         super().__init__()
         self.attention_norm = build_norm(args.norm, args.dim, args.norm_eps, args.bias)
         opts = block_options(args, layer_id)
-        head_dim = args.dim // args.n_heads
-        v_scale = (VScale(args.n_kv_heads, v_scale_constant(args.dim, head_dim, args.init_std), args.v_scale)
-                   if args.v_scale != "off" else None)
-        head_norm = (HeadRMSNorm(args.n_heads, head_dim, gain=args.head_norm == "on")
-                     if args.head_norm != "off" else None)
         self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.bias, opts.variant,
                                    qk_norm=args.qk_norm, rope=rope, norm_eps=args.norm_eps, opts=opts,
-                                   v_scale=v_scale, head_norm=head_norm)
+                                   **value_path_steps(args))
         self.ffn_norm = build_norm(args.norm, args.dim, args.norm_eps, args.bias)
         self.feed_forward = MLP(args.dim, args.ffn_hidden, args.mlp, args.bias)
 
