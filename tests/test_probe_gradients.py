@@ -147,3 +147,22 @@ def test_sinks_vs_massive_panel_picture_and_report_table(model):
     without, no_grad_images = OutlierProbe(model, Observe(mode="full")).run(tokens())
     assert "grad_sink_share" not in panel.panel_rows(without)[1]
     assert "outliers/sinks_vs_massive" in no_grad_images  # the forward columns alone
+
+
+def test_compiled_and_checkpointed_blocks_give_the_same_gradient_metrics():
+    """The trainer's ``compile.enable`` (each block compiled; AOT autograd, so the backward runs compiled graphs)
+    with activation checkpointing on every block, as ``parallelize`` orders them."""
+    tok = tokens(2, 16)
+    want, _ = OutlierProbe(tiny_model(), Observe(mode="cheap", gradients=True)).run(tok)
+    torch._dynamo.reset()
+    model = tiny_model()
+    apply_activation_checkpointing(model, "full", 1)
+    for block in model.layers.values():
+        block.compile(backend="aot_eager")
+    probe = OutlierProbe(model, Observe(mode="cheap", gradients=True))
+    probe.run(tok)
+    got, _ = probe.run(tok)
+    torch._dynamo.reset()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-15), k
