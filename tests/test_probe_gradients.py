@@ -166,3 +166,28 @@ def test_compiled_and_checkpointed_blocks_give_the_same_gradient_metrics():
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-15), k
+
+
+@pytest.mark.dist
+def test_trainer_logs_the_gradient_metrics_and_the_panel_and_trains_as_without(tmp_path):
+    """train.py with ``observe.gradients``: the metrics in metrics.jsonl, the panel in a real TensorBoard event file,
+    and the losses after a probe step bitwise those of the run whose probe has no backward."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.launch import TINY, train
+
+    common = [*TINY, "--training.steps", "4", "--observe.every", "2", "--observe.batch_size", "2",
+              "--metrics.tensorboard", "true"]
+    on = train(tmp_path, *common, "--observe.gradients", "true", name="on").check()
+    off = train(tmp_path, *common, name="off").check()
+    assert on.losses == off.losses and sorted(on.losses) == [1, 2, 3, 4]
+    probes = [r for r in on.records if "outliers/grad_sink_share" in r]
+    assert [r["step"] for r in probes] == [2, 4]
+    assert 0.0 < probes[0]["outliers/grad_sink_share"] < 1.0
+    assert not any("outliers/grad_sink_share" in r for r in off.records)
+    acc = EventAccumulator(str(next((on.run_dir / "tb").glob("events.out.tfevents.*"))), size_guidance={"images": 0})
+    acc.Reload()
+    assert "outliers/sinks_vs_massive" in acc.Tags()["images"]
+    events = acc.Images("outliers/sinks_vs_massive")
+    assert [e.step for e in events] == [2, 4] and events[0].width > 100 and events[0].height > 100
+    assert "grad sink" in on.stdout
