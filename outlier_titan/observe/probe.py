@@ -99,8 +99,7 @@ class OutlierProbe:
                 return self._local_sums(tokens, None)
         streams: dict = {}  # layer name (None: the pre-head input) -> the tensor the rest of the forward reads
         with torch.enable_grad():
-            sums = self._local_sums(tokens, streams)
-        return sums
+            return self._local_sums(tokens, streams)
 
     def _local_sums(self, tokens: torch.Tensor, streams: dict | None) -> dict:
         """``streams``: None for a no-grad forward; a dict to collect the residual tensors and backpropagate."""
