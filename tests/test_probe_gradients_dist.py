@@ -1,5 +1,5 @@
-"""The gradient-side probe metrics (``observe.gradients``) under FSDP2 (2 and 4 ranks) and FSDP2 x TP2 (sequence
-parallel, vocab-sharded loss) equal the 1-rank metrics on the same model and probe batch (gloo, CPU), and no rank
+"""The gradient-side probe metrics (``observe.gradients``) under FSDP2 (2 and 4 ranks), HSDP 2 x 2 and FSDP2 x TP2
+(sequence parallel, vocab-sharded loss) equal the 1-rank metrics on the same model and probe batch (gloo, CPU), and no rank
 gets a parameter ``.grad``."""
 
 from __future__ import annotations
@@ -38,21 +38,23 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
 
     results = {}
     try:
-        for dp_shard, tp in layouts:
-            mesh = ParallelDims(1, dp_shard, tp, world).build_mesh("cpu")
-            for flavor in FLAVORS:
+        for dp_replicate, dp_shard, tp, flavors in layouts:
+            mesh = ParallelDims(dp_replicate, dp_shard, tp, world).build_mesh("cpu")
+            dp_mesh = mesh["dp_replicate", "dp_shard"] if dp_replicate > 1 else mesh["dp_shard"]
+            for flavor in flavors:
                 spec, args, model = build(flavor, "meta")
                 if tp > 1:
                     apply_tp_plan(model, mesh["tp"], args, spec.tp_plan)
-                apply_fsdp(model, mesh["dp_shard"], torch.float32, torch.float32)
+                apply_fsdp(model, dp_mesh, torch.float32, torch.float32)
                 model.to_empty(device="cpu")
                 model.init_weights(Initializer(SEED, "cpu"))
-                dp_rank, per = mesh["dp"].get_local_rank(), BATCH // dp_shard
+                dp_rank, per = mesh["dp"].get_local_rank(), BATCH // (dp_replicate * dp_shard)
                 share = probe_tokens()[dp_rank * per:(dp_rank + 1) * per]
                 probe = OutlierProbe(model, OBSERVE, mesh)
-                results[(dp_shard, tp, flavor)] = probe.run(share)
-                results[(dp_shard, tp, flavor, "grads")] = sum(p.grad is not None for p in model.parameters())
-                results[(dp_shard, tp, flavor, "again")] = probe.run(share)[0]  # FSDP state intact after it
+                key = (dp_replicate, dp_shard, tp, flavor)
+                results[key] = probe.run(share)
+                results[key + ("grads",)] = sum(p.grad is not None for p in model.parameters())
+                results[key + ("again",)] = probe.run(share)[0]  # FSDP state intact after it
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -60,16 +62,18 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world,layouts", [(2, [(2, 1)]), (4, [(4, 1), (2, 2)])], ids=["fsdp2", "fsdp4-fsdp2xtp2"])
+@pytest.mark.parametrize("world,layouts", [(2, [(1, 2, 1, ("llama",))]),
+                                           (4, [(1, 4, 1, FLAVORS), (2, 2, 1, ("llama",)), (1, 2, 2, FLAVORS)])],
+                         ids=["fsdp2", "fsdp4-hsdp2x2-fsdp2xtp2"])
 def test_distributed_gradient_metrics_equal_one_rank(world, layouts, tmp_path):
-    refs = {flavor: reference(flavor) for flavor in FLAVORS}
+    refs = {flavor: reference(flavor) for flavor in FLAVORS if any(flavor in layout[3] for layout in layouts)}
     assert any("grad_sink_share" in k for k in refs["llama"][0])
     mp.start_processes(_worker, args=(world, free_port(), layouts, str(tmp_path)), nprocs=world, join=True,
                        start_method="spawn")
     per_rank = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    for dp_shard, tp in layouts:
-        for flavor in FLAVORS:
-            key = (dp_shard, tp, flavor)
+    for dp_replicate, dp_shard, tp, flavors in layouts:
+        for flavor in flavors:
+            key = (dp_replicate, dp_shard, tp, flavor)
             assert_same(per_rank[0][key], refs[flavor], f"{key} rank 0")
             for r in range(world):
                 assert per_rank[r][key][0] == per_rank[0][key][0], (key, r)
