@@ -123,6 +123,8 @@ def test_evaluate_model_reports_every_scheme():
     assert rot["head"] == "fp" and "randomised Hadamard 128" in rot["rotation"]["residual_rotation"]
     assert rot["rotation"]["seeds"] == [0, 1] and "seed" not in rot["rotation"]["residual_rotation"]
     assert "outliers/kurtosis_first" in report["probe"] and "outliers/attention_map" in images
+    # the gradient-side metrics (observe.gradients) and the sinks-vs-massive panel are part of the evaluation
+    assert 0 < report["probe"]["outliers/grad_sink_share"] < 1 and "outliers/sinks_vs_massive" in images
     progress = s.getvalue()  # one tqdm bar over full precision + every scheme run (2 seeds for seeded schemes)
     # (one bar: closed once; its last refresh may repeat at close when the final update was drawn)
     assert progress.count("\n") == 1 and progress.count("0.00/") == 1
@@ -135,6 +137,8 @@ def test_evaluate_model_reports_every_scheme():
         assert f"| {name} |" in table
     assert "| full precision |" in table and " ± " in table and "| kurtosis_first |" in table
     assert "; rotation seeds 0, 1." in table
+    assert "| layer | sink_rate | first_token_attention_mass | massive_ratio | max_abs_first | grad_sink_share |" \
+        in table and "| grad_sink_share |" in table
 
 
 def test_evaluate_script_user_errors(tmp_path, capsys):
@@ -183,6 +187,8 @@ def test_evaluate_script_on_a_real_fsdp_checkpoint(tmp_path, capsys):
     assert table in out.out and "| int4_zeropoint |" in table
     assert (run.run_dir / "eval" / "step-3.attention_map.png").is_file()
     assert (run.run_dir / "eval" / "step-3.hidden_magnitude.png").is_file()
+    assert (run.run_dir / "eval" / "step-3.sinks_vs_massive.png").is_file()
+    assert "outliers/layer_0/grad_sink_share" in report["probe"] and "| grad_sink_share |" in table
     assert "w8a8_static (calibration seed 1)" in out.err
 
     # --update: re-run some schemes into that report, keeping the others; refused on other settings

@@ -251,6 +251,13 @@ class Observe:
                     ("cheap", "full"))
     kurtosis_centered: bool = opt(False, "Also log He et al.'s centred neuron-RMS kurtosis (~ Kurt - 1).")
     map_tokens: int = opt(64, "Attention-map picture: the first N query/key positions.")
+    gradients: bool = opt(False, "Also backpropagate the probe batch's mean next-token cross entropy (targets "
+                                 "inside each window) to the residual stream after every block "
+                                 "(torch.autograd.grad: parameters' .grad and the optimizer untouched) and log its "
+                                 "kurtosis, max |g| and the gradient sink (Chen, Lin, Yao 2026, arXiv 2603.17771). "
+                                 "The paper's text gives no closed formula for the sink, so we log two readings: "
+                                 "the first token's share of ||g||^2 and ||g_0|| / mean_t>0 ||g_t|| per sequence. "
+                                 "Off by default: it costs a backward.")
 
 
 @dataclass

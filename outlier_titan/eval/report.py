@@ -7,6 +7,7 @@ import statistics
 from typing import Any
 
 from outlier_titan.observe import metrics as registry
+from outlier_titan.observe.panel import panel_rows
 
 
 def scheme_entry(name: str, description: str, head: str, ppls: list[float], fp_ppl: float) -> dict[str, Any]:
@@ -27,7 +28,7 @@ def _fmt(x: float) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     """Markdown: a header line, the PPL table (full precision first), the probe-metric table (the registered
-    metrics shown in reports) and the whole-model measures."""
+    metrics shown in reports), the per-layer sinks-vs-massive-activations table and the whole-model measures."""
     lines = [f"# Evaluation of `{report.get('checkpoint', '?')}`", "",
              f"{report['tokens']:,} validation tokens, sequence length {report['seq_len']}.", "",
              "| scheme | PPL | Δ PPL | LM head | description |", "|---|---|---|---|---|"]
@@ -48,6 +49,13 @@ def markdown(report: dict[str, Any]) -> str:
     if rows:
         lines += ["", "| probe metric (mean over layers) | value |", "|---|---|"]
         lines += [f"| {k} | {v:.4g} |" for k, v in rows]
+    layers, columns = panel_rows(probe)
+    if columns:
+        lines += ["", "Attention sinks vs massive activations per layer (and the gradient sink with "
+                      "`observe.gradients`; Chen, Lin, Yao 2026):", "",
+                  "| layer | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        lines += [f"| {n} | " + " | ".join(f"{columns[c][i]:.4g}" for c in columns) + " |"
+                  for i, n in enumerate(layers)]
     for e in registry.evaluations():
         value = (report.get(e.key) or {}).get(e.key)
         if value is not None:

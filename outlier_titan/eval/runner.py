@@ -43,7 +43,8 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
     with tqdm(total=total * runs, desc="full precision", unit="tok", unit_scale=True, file=stream,
               dynamic_ncols=True) as bar:
         fp = perplexity(model, eval_batches, device, bar)
-        probe_scalars, images = OutlierProbe(model, Observe(mode="full", kurtosis_centered=True)).measure(
+        observe = Observe(mode="full", kurtosis_centered=True, gradients=True)
+        probe_scalars, images = OutlierProbe(model, observe).measure(
             [t.to(device) for t in probe_tokens]) if probe else ({}, {})
         entries = []
         for name in schemes:

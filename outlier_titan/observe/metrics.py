@@ -26,7 +26,8 @@ from outlier_titan.errors import UserError
 
 F64 = torch.float64
 TINY = torch.finfo(F64).tiny
-READS = ("residual", "attention", "heads")
+READS = ("residual", "attention", "heads", "gradient")
+STREAMS = ("residual", "gradient")  # [B, T, D] inputs read by the cheap probe
 MODES = ("cheap", "full")
 SHOWN = ("report", "collect", "plot", "profile")
 
@@ -95,7 +96,8 @@ class HeadsInput:
         self.out, self.v = out, v
 
 
-INPUTS = {"residual": ResidualInput, "attention": AttentionInput, "heads": HeadsInput}
+INPUTS = {"residual": ResidualInput, "attention": AttentionInput, "heads": HeadsInput,
+          "gradient": ResidualInput}  # the gradient of the loss w.r.t. the residual stream, same layout
 
 
 class Headline(NamedTuple):
@@ -115,7 +117,9 @@ class Metric:
     """What it logs, after ``outliers/``, ``outliers/layer_<i>/`` or ``outliers/head_input/``."""
     reads: str
     """The probe input: ``residual`` (:class:`ResidualInput`: every block's output and the pre-head input),
-    ``attention`` (:class:`AttentionInput`) or ``heads`` (:class:`HeadsInput`)."""
+    ``attention`` (:class:`AttentionInput`), ``heads`` (:class:`HeadsInput`) or ``gradient`` (a
+    :class:`ResidualInput` of the loss gradient w.r.t. the same tensors as ``residual``; only with
+    ``observe.gradients``, which costs a backward)."""
     sums: Callable[[Any], dict[str, torch.Tensor]]
     """Input -> float64 sums of one layer. A ``head_*`` key is an [H] vector over this rank's heads; the probe lays
     it out at the global head positions under tensor parallelism. Anything else adds up over ranks as it is."""
@@ -172,10 +176,10 @@ def register_metric(key: str, names, reads: str, sums: Callable, finalize: Calla
     ``shown`` maps a place to names or ``(name, rank)`` pairs; ``mode`` defaults to ``cheap`` for the residual
     stream and ``full`` otherwise."""
     names = (names,) if isinstance(names, str) else tuple(names)
-    mode = mode or ("cheap" if reads == "residual" else "full")
+    mode = mode or ("cheap" if reads in STREAMS else "full")
     if reads not in READS:
         raise UserError(f"metric {key!r}: reads must be one of {', '.join(READS)}, not {reads!r}")
-    if mode not in MODES or (reads != "residual" and mode != "full"):
+    if mode not in MODES or (reads not in STREAMS and mode != "full"):
         raise UserError(f"metric {key!r}: mode must be 'full' for {reads} inputs (the cheap probe has none)"
                         if mode in MODES else f"metric {key!r}: mode must be one of {', '.join(MODES)}")
     shown = {k: tuple((n, 0) if isinstance(n, str) else tuple(n) for n in v) for k, v in (shown or {}).items()}
@@ -225,7 +229,10 @@ def get_metric(key: str) -> Metric:
 
 
 def active(cfg, reads: str) -> list[Metric]:
-    """The metrics a probe with ``[observe]`` config ``cfg`` computes from ``reads``."""
+    """The metrics a probe with ``[observe]`` config ``cfg`` computes from ``reads`` (``gradient`` ones only with
+    ``observe.gradients``)."""
+    if reads == "gradient" and not getattr(cfg, "gradients", False):
+        return []
     return [m for m in registered() if m.reads == reads and (m.mode == "cheap" or cfg.mode == "full")
             and (m.when is None or m.when(cfg))]
 

@@ -7,6 +7,8 @@
 * :func:`hidden_magnitude_image`: hidden-state magnitude per layer (rows) and channel (columns), two panels on
   one log colour scale: the first token on top, the RMS over the other tokens below. The scale runs from the
   1st percentile to the maximum of these magnitudes; its range is written in the title and on the colour bar.
+* :func:`sinks_massive_image`: per layer, the attention-sink shares and the gradient sink beside the
+  massive-activation magnitudes (:mod:`outlier_titan.observe.panel`).
 
 matplotlib (Agg, no display) is imported on the first picture only.
 """
@@ -102,4 +104,33 @@ def hidden_magnitude_image(first: np.ndarray, rest: np.ndarray, dpi: int = 100) 
     fig.suptitle(f"hidden-state magnitude |x| per layer and channel; colour range {lo:.2g} to {hi:.2g}",
                  fontsize=9)
     fig.colorbar(im, ax=list(axes), label="|x| (log scale)")
+    return _to_array(fig)
+
+
+def sinks_massive_image(layers: list[str], columns: dict[str, list[float]], shares: tuple[str, ...],
+                        dpi: int = 100) -> np.ndarray:
+    """Per-layer curves side by side (layers across): the share columns (sink rate, first-token attention mass,
+    gradient sink share) on a linear [0, 1] axis on the left, the magnitudes (massive ratio, first-token max |x|)
+    on a log axis on the right -> [H, W, 3] uint8, labelled."""
+    if not layers or not columns:
+        raise ValueError("the sinks-vs-massive panel needs at least one layer and one column")
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10.0, 3.6), dpi=dpi, sharex=True, layout="constrained")
+    x = np.arange(len(layers))
+    for ax, picked, ylabel in ((left, [c for c in columns if c in shares], "share (0 to 1)"),
+                               (right, [c for c in columns if c not in shares], "magnitude (log scale)")):
+        for name in picked:
+            ax.plot(x, columns[name], marker="o", markersize=3, label=name,
+                    linestyle="--" if name.startswith("grad_") else "-")
+        if ax is left:
+            ax.set_ylim(-0.02, 1.02)
+        elif picked and min(min(columns[c]) for c in picked) > 0:
+            ax.set_yscale("log")
+        ax.set_ylabel(ylabel)
+        ax.set_xlabel("layer")
+        ax.set_xticks(x, layers, fontsize=7)
+        if picked:
+            ax.legend(fontsize=7, loc="best")
+    left.set_title("attention sinks and the gradient sink (dashed)", fontsize=9, loc="left")
+    right.set_title("massive activations", fontsize=9, loc="left")
     return _to_array(fig)

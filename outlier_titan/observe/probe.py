@@ -23,19 +23,28 @@ vectors (``head_*`` sums) are laid out at their global head positions before the
 
 Scalars (identical on all ranks): ``outliers/layer_<i>/<name>`` per block, ``outliers/head_input/<name>``
 for the pre-head input (residual metrics), and ``outliers/<name>`` = the mean over blocks (the papers' "averaged across
-layers"; the head input is not in the mean). Images (full mode, global rank 0 only): ``outliers/attention_map``
-and ``outliers/hidden_magnitude``, labelled HWC uint8 pictures (:mod:`outlier_titan.observe.pictures`).
+layers"; the head input is not in the mean). Images (full mode, global rank 0 only): ``outliers/attention_map``,
+``outliers/hidden_magnitude`` and ``outliers/sinks_vs_massive`` (:mod:`outlier_titan.observe.panel`), labelled HWC
+uint8 pictures (:mod:`outlier_titan.observe.pictures`).
+
+With ``observe.gradients`` the forward keeps autograd on, the hooks also keep the residual tensors, and one
+``torch.autograd.grad`` of the probe loss gives their gradients, which the ``gradient`` metrics reduce like the
+residual stream (gathered under TP, counted on TP rank 0; :mod:`outlier_titan.observe.gradients`).
 """
 
 from __future__ import annotations
 
+import math
+from contextlib import nullcontext
 from typing import Iterable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 from outlier_titan.config.job_config import Observe
 from outlier_titan.models.attention_variants import get_variant
@@ -43,7 +52,8 @@ from outlier_titan.models.layers import Attention
 from outlier_titan.observe import metrics
 from outlier_titan.observe.metrics import F64
 from outlier_titan.observe import outliers as om
-from outlier_titan.observe.pictures import attention_map_image, hidden_magnitude_image
+from outlier_titan.observe import panel
+from outlier_titan.observe.pictures import attention_map_image, hidden_magnitude_image, sinks_massive_image
 
 PREFIX = "outliers"
 
@@ -79,11 +89,20 @@ class OutlierProbe:
             raise ValueError("OutlierProbe.measure needs at least one batch")
         return self.finalize(self.reduce(acc))
 
-    @torch.no_grad()
     def local_sums(self, tokens: torch.Tensor) -> dict:
-        """One forward with hooks; this rank's float64 sums: {"res": {layer: {metric: sums}}, "head": {metric:
-        sums}, "attn": {layer: {metric: sums}}, "rep": {"res": bool, "attn": bool}} (rep: replicated over TP;
-        "attn" holds the attention and per-head metrics; keys starting with "_" are the pictures' sums)."""
+        """One forward with hooks (and, with gradient metrics, one backward to the residual stream); this rank's
+        float64 sums: {"res": {layer: {metric: sums}}, "head": {metric: sums}, "attn": {layer: {metric: sums}},
+        "rep": {"res": bool, "attn": bool}} (rep: replicated over TP; "attn" holds the attention and per-head
+        metrics; "res" and "head" also the gradient metrics; keys starting with "_" are the pictures' sums)."""
+        if not self.metrics["gradient"]:
+            with torch.no_grad():
+                return self._local_sums(tokens, None)
+        streams: dict = {}  # layer name (None: the pre-head input) -> the tensor the rest of the forward reads
+        with torch.enable_grad():
+            return self._local_sums(tokens, streams)
+
+    def _local_sums(self, tokens: torch.Tensor, streams: dict | None) -> dict:
+        """``streams``: None for a no-grad forward; a dict to collect the residual tensors and backpropagate."""
         res: dict[str, dict] = {}
         attn: dict[str, dict] = {}
         head: dict = {}
@@ -100,13 +119,22 @@ class OutlierProbe:
                 sums["_hidden"] = om.channel_sq(inp)
             return sums
 
+        def stream(name, x):
+            if streams is None:
+                return x
+            streams[name] = x
+            return x.detach()
+
         def block_hook(name):
             def hook(_module, _inputs, output):
-                res[name] = residual(output[0] if isinstance(output, (tuple, list)) else output)
+                res[name] = residual(stream(name, output[0] if isinstance(output, (tuple, list)) else output))
             return torch.compiler.disable(hook)
 
         def head_hook(_module, _inputs, output):
-            head.update(residual(output))
+            head.update(residual(stream(None, output)))
+
+        def embed_hook(_module, _inputs, output):  # frozen weights (evaluation): start the graph here
+            return output if output.requires_grad else output.detach().requires_grad_()
 
         def add_attn(name, module, sums, r):
             rep["attn"] |= r
@@ -133,6 +161,8 @@ class OutlierProbe:
 
         handles = [self.model.layers[n].register_forward_hook(block_hook(n)) for n in self.layer_names]
         handles.append(self.model.norm.register_forward_hook(head_hook))
+        if streams is not None:
+            handles.append(self.model.tok_embeddings.register_forward_hook(embed_hook))
         hooked: list[Attention] = []
         try:
             if self.full:
@@ -141,14 +171,35 @@ class OutlierProbe:
                         m.prob_hook = prob_hook(name, m)
                         m.head_hook = heads_hook(name, m)
                         hooked.append(m)
-            self.model(tokens)
+            logits = self.model(tokens)
         finally:
             for h in handles:
                 h.remove()
             for m in hooked:
                 m.prob_hook = None
                 m.head_hook = None
+        if streams is not None:
+            for name, g in self._stream_gradients(logits, tokens, streams).items():
+                x, r = self._full_residual(g, seq_len)
+                rep["res"] |= r
+                inp = metrics.ResidualInput(x[:, :-1])  # the last position has no target: its gradient is 0
+                (head if name is None else res[name]).update({m.key: m.sums(inp) for m in self.metrics["gradient"]})
         return {"res": res, "head": head, "attn": attn, "rep": rep}
+
+    def _stream_gradients(self, logits: torch.Tensor, tokens: torch.Tensor, streams: dict) -> dict:
+        """``dL/dx`` for every collected residual tensor ``x`` (same layout as ``x``), ``L`` the mean next-token
+        cross entropy over the in-window targets of the whole probe batch (all DP ranks): each rank's token sum
+        over the global count, so every layout backpropagates the same loss. ``torch.autograd.grad`` with the
+        residual tensors as inputs: no parameter ``.grad`` is written."""
+        b, t = tokens.shape
+        labels = torch.cat([tokens[:, 1:], tokens.new_full((b, 1), -100)], 1)  # -100: no target (ignored)
+        count = b * (t - 1) * math.prod(dist.get_world_size(g) for g in self._dp_groups)
+        names = list(streams)
+        with loss_parallel() if isinstance(logits, DTensor) else nullcontext():  # vocab-sharded logits under TP
+            wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the trainer's fp32 loss; fp64 stays
+            loss = F.cross_entropy(wide.flatten(0, 1), labels.flatten(0, 1), reduction="sum") / count
+            grads = torch.autograd.grad(loss, [streams[n] for n in names], allow_unused=True)
+        return {n: torch.zeros_like(streams[n]) if g is None else g for n, g in zip(names, grads)}
 
     def reduce(self, sums: dict) -> dict:
         """Adds the sums over all ranks (DP dims and TP) with one flat all-reduce per mesh dim; host copy."""
@@ -194,6 +245,9 @@ class OutlierProbe:
         images: dict[str, np.ndarray] = {}
         if self.full and (not dist.is_initialized() or dist.get_rank() == 0):  # only rank 0 logs pictures
             images.update(self._images(sums))
+            layers, columns = panel.panel_rows(scalars)
+            if columns:
+                images[f"{PREFIX}/sinks_vs_massive"] = sinks_massive_image(layers, columns, panel.SHARES)
         return scalars, images
 
     # ------------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 a minimal plain-PyTorch loop, and OrthoAdam's whole step against AdamW's.
 
     outlier-titan-benchmark optim [--shapes gpt2_124m,debug] [--tile-sizes 256,64] [--reps 5] [--markdown FILE]
-    outlier-titan-benchmark probe [--every 100] [--steps 40] [--probes 8] [--mode full]
+    outlier-titan-benchmark probe [--every 100] [--steps 40] [--probes 8] [--mode full] [--gradients]
     outlier-titan-benchmark step [--steps 20] [--optimizers adamw,orthoadam]
     outlier-titan-benchmark soap-ab BEFORE_CHECKOUT [--steps 10]   # SOAP before/after in one process
     outlier-titan-benchmark compile-math [--scale gpt2] [--step-pairs 12]   # eager vs compiled element-wise math
@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed training steps first")
     p.add_argument("--mode", default="full", choices=("full", "cheap"), help="observe.mode")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--gradients", action="store_true",
+                   help="also time the probe with observe.gradients (its backward), interleaved with the one without")
     st = sub.add_parser("step", help="trainer step vs a plain PyTorch loop; OrthoAdam vs AdamW whole steps",
                         formatter_class=cli.HelpFormatter)
     st.add_argument("--steps", type=int, default=20, help="timed steps per loop (interleaved)")

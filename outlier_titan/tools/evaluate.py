@@ -10,8 +10,10 @@ built at world size 1 and loaded from a DCP checkpoint of any world size.
 
 Writes ``FILE`` (JSON; default ``<run>/eval/step-<N>.json``), the markdown table next to it (``.md``) and the
 probe pictures (``.<name>.png``: the attention map on a fixed log scale, the hidden-state magnitudes with their
-colour range; the same labelled pictures as TensorBoard's), and prints the table. ``--update --schemes S`` re-runs
-only the schemes ``S`` into an existing report (same model and evaluation settings, checked), keeping the others.
+colour range, the per-layer sinks-vs-massive-activations panel; the same labelled pictures as TensorBoard's), and
+prints the table. The probe runs with ``observe.gradients`` (the gradient-side metrics and the gradient sink).
+``--update --schemes S`` re-runs only the schemes ``S`` into an existing report (same model and evaluation
+settings, checked), keeping the others.
 
 Schemes: int8_fine, int8_fine_token, int8_moderate, int8_coarse (Kaul et al. 2024 absmax int8), int4_zeropoint (Kaul
 et al. 2024), w8a8_static (He et al. 2024: calibrated on ``--calib-batches`` training batches per seed, ``--calib-seeds``

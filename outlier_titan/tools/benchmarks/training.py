@@ -3,6 +3,7 @@ plain PyTorch loop."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import platform
 import statistics
@@ -15,10 +16,12 @@ from outlier_titan.packaged import configs_dir
 
 
 def run_probe(args, command: str) -> dict:
-    """Median training-step time vs median probe time on the debug run, measured interleaved in one process."""
+    """Median training-step time vs median probe time on the debug run, measured interleaved in one process (with
+    ``--gradients`` also the probe with ``observe.gradients``, interleaved with the one without)."""
     import tempfile
 
     from outlier_titan.config.manager import parse_args
+    from outlier_titan.observe.probe import OutlierProbe
     from outlier_titan.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -28,27 +31,41 @@ def run_probe(args, command: str) -> dict:
                           "--training.steps", "1000000"])
         trainer = Trainer(cfg)
         trainer._build_probe()
+        probes = {False: trainer.probe}
+        if args.gradients:  # the same probe with observe.gradients, timed interleaved with the one without
+            probes[True] = OutlierProbe(trainer.model, dataclasses.replace(cfg.observe, gradients=True),
+                                        trainer.mesh)
         probe_every = max(1, args.steps // args.probes)
-        step_times, probe_times = [], []
+        step_times, probe_times = [], {g: [] for g in probes}
         for i in tqdm(range(args.warmup + args.steps), desc="probe benchmark", unit="step"):
             t0 = time.perf_counter()
             trainer.train_step()
             if i >= args.warmup:
                 step_times.append(time.perf_counter() - t0)
             if i % probe_every == 0:
-                t0 = time.perf_counter()
-                trainer.probe.run(trainer.probe_tokens)
-                if i >= args.warmup:
-                    probe_times.append(time.perf_counter() - t0)
+                for g in (list(probes) if i % 2 else list(probes)[::-1]):  # alternate which runs first
+                    t0 = time.perf_counter()
+                    probes[g].run(trainer.probe_tokens)
+                    if i >= args.warmup:
+                        probe_times[g].append(time.perf_counter() - t0)
         trainer.close()
-    step, probe = statistics.median(step_times), statistics.median(probe_times)
-    result = {"step_ms": 1e3 * step, "probe_ms": 1e3 * probe, "drop": probe / (args.every * step + probe)}
+    step = statistics.median(step_times)
     print(f"date {datetime.date.today()}  machine {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} thread(s), torch {torch.__version__}\ncommand: {command}")
-    print("| model | probe mode | observe.every | train step (median) | probe (median) | throughput drop |")
-    print("|---|---|---|---|---|---|")
-    print(f"| debug (pre_ln, 16 x 256 tokens) | {args.mode} | {args.every} | {result['step_ms']:.1f} ms | "
-          f"{result['probe_ms']:.1f} ms | {100 * result['drop']:.2f}% |")
+    print("| model | probe mode | observe.gradients | observe.every | train step (median) | probe (median) | "
+          "probe / step | throughput drop |")
+    print("|---|---|---|---|---|---|---|---|")
+    result = {"step_ms": 1e3 * step}
+    for g, times in probe_times.items():
+        probe = statistics.median(times)
+        tag = "_gradients" if g else ""
+        result.update({f"probe{tag}_ms": 1e3 * probe, f"drop{tag}": probe / (args.every * step + probe)})
+        print(f"| debug (pre_ln, 16 x 256 tokens) | {args.mode} | {str(g).lower()} | {args.every} | "
+              f"{1e3 * step:.1f} ms | {1e3 * probe:.1f} ms | {probe / step:.3f} | "
+              f"{100 * result[f'drop{tag}']:.2f}% |")
+    if args.gradients:
+        result["gradients_over_probe"] = result["probe_gradients_ms"] / result["probe_ms"]
+        print(f"probe with gradients / probe without: {result['gradients_over_probe']:.2f}")
     return result
 
 
