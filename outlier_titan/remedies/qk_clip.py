@@ -101,7 +101,7 @@ class QKClip(RemedyHooks):
         def keep(m: torch.Tensor) -> None:  # [B, H_local]: this micro-batch's rows
             if not torch.is_grad_enabled():
                 return  # a validation or probe forward, not the step's training batch
-            top = m.amax(0).float()
+            top = m.amax(0)  # float32 (float64 for a float64 model): causal_logits promotes
             self.running[i] = top if self.running[i] is None else torch.maximum(self.running[i], top)
         return keep
 
