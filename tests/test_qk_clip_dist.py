@@ -1,4 +1,5 @@
-"""QK-Clip and the MaxLogit metric through ``train.py`` at 1 rank, FSDP2 over 2 ranks and FSDP2 x TP2 over 4: the
+"""QK-Clip and the MaxLogit metric through ``train.py`` at 1 rank (also with activation checkpointing, whose
+recompute runs the logit hook again), FSDP2 over 2 ranks and FSDP2 x TP2 over 4: the
 same losses, the same clipped heads and MaxLogit of every step (reduced by max over the data-parallel ranks and
 laid out over the TP ranks' heads before the clip) and the same probe MaxLogit."""
 
@@ -10,7 +11,8 @@ from tests.launch import TINY, assert_losses_close, train
 
 CLIP = ["--training.steps", "8", "--optimizer.lr", "3e-3", "--remedies.qk_clip", "true",
         "--remedies.qk_clip_tau", "0.25", "--observe.every", "4", "--observe.batch_size", "4"]
-LAYOUTS = {"one": (1, []), "fsdp2": (2, []), "fsdp2_tp2": (4, ["--parallelism.tp", "2"])}
+LAYOUTS = {"one": (1, []), "one_ac": (1, ["--activation_checkpoint.mode", "full"]), "fsdp2": (2, []),
+           "fsdp2_tp2": (4, ["--parallelism.tp", "2"])}
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,7 @@ def _series(run, key):
     return {r["step"]: r[key] for r in run.records if key in r}
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "fsdp2_tp2"])
+@pytest.mark.parametrize("layout", ["one_ac", "fsdp2", "fsdp2_tp2"])
 def test_qk_clip_is_the_same_at_every_layout(runs, layout):
     one, other = runs["one"], runs[layout]
     assert_losses_close(one.losses, other.losses, rtol=1e-5)
@@ -35,4 +37,4 @@ def test_qk_clip_is_the_same_at_every_layout(runs, layout):
         a, b = _series(one, key), _series(other, key)
         assert a and a.keys() == b.keys(), key
         for step in a:
-            assert b[step] == pytest.approx(a[step], rel=1e-4), (key, step)
+            assert b[step] == pytest.approx(a[step], rel=1e-5), (key, step)

@@ -135,7 +135,7 @@ class Metric:
     """What it logs, after ``outliers/``, ``outliers/layer_<i>/`` or ``outliers/head_input/``."""
     reads: str
     """The probe input: ``residual`` (:class:`ResidualInput`: every block's output and the pre-head input),
-    ``attention`` (:class:`AttentionInput`) or ``heads`` (:class:`HeadsInput`)."""
+    ``attention`` (:class:`AttentionInput`), ``heads`` (:class:`HeadsInput`) or ``logits`` (:class:`LogitsInput`)."""
     sums: Callable[[Any], dict[str, torch.Tensor]]
     """Input -> float64 sums of one layer. A ``head_*`` key is an [H] vector over this rank's heads; the probe lays
     it out at the global head positions under tensor parallelism. A ``max_*`` key (``max_head_*`` per head) is a

@@ -18,7 +18,9 @@ the tensor-parallel dim, then copied to the host once. Under TP the residual str
 contributes it; attention heads are local to a TP rank, so their sums add up over TP.
 
 Metrics reading the residual stream get every block's output and the pre-head input; those reading attention
-weights each Attention's ``prob_hook``, those reading per-head outputs and value states its ``head_hook``. Per-head
+weights each Attention's ``prob_hook``, those reading per-head outputs and value states its ``head_hook``, those
+reading the MaxLogit its ``logit_hook`` (a training remedy's hook there is put back afterwards). Sums whose key
+starts with ``max_`` are maxima and are reduced by max. Per-head
 vectors (``head_*`` sums) are laid out at their global head positions before the TP all-reduce.
 
 Scalars (identical on all ranks): ``outliers/layer_<i>/<name>`` per block, ``outliers/head_input/<name>``
