@@ -1,7 +1,8 @@
 """Set-up order and the step loop.
 
 mesh -> tokenizer -> data -> run folder (lock, writability, which checkpoint, config compatibility) -> meta model
--> parallelize (TP -> AC -> compile -> FSDP2) -> materialise + init -> optimizer -> LR schedule -> checkpoint
+-> parallelize (TP -> AC -> compile -> FSDP2) -> materialise + init -> optimizer -> LR schedule -> training remedies
+(outlier_titan.remedies: loss terms, after-step hooks) -> checkpoint
 load -> config record -> steps. A failed start removes the run folder it created.
 """
 
