@@ -1,7 +1,8 @@
 """Set-up order and the step loop.
 
 mesh -> tokenizer -> data -> run folder (lock, writability, which checkpoint, config compatibility) -> meta model
--> parallelize (TP -> AC -> compile -> FSDP2) -> materialise + init -> optimizer -> LR schedule -> checkpoint
+-> parallelize (TP -> AC -> compile -> FSDP2) -> materialise + init -> optimizer -> LR schedule -> training remedies
+(outlier_titan.remedies: loss terms, after-step hooks) -> checkpoint
 load -> config record -> steps. A failed start removes the run folder it created.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 import outlier_titan.components  # noqa: F401  (the built-ins registered before any config is read)
 from outlier_titan import preempt
@@ -37,6 +38,7 @@ from outlier_titan.optim.lr_schedule import build_lr_scheduler
 from outlier_titan.parallel.dims import ParallelDims, device_type_for, init_distributed
 from outlier_titan.parallel.grads import clip_grads, grad_norm, param_norm
 from outlier_titan.parallel.parallelize import parallelize
+from outlier_titan.remedies import Remedies, RemedyContext, validate_remedies
 from outlier_titan.training.console import RunConsole, perplexity
 from outlier_titan.training.divergence import DivergenceGuard, Health
 from outlier_titan.training.step import (TrainState, batch_layout, cross_entropy_sum, loss_context, probe_layout,
@@ -114,6 +116,7 @@ class Trainer(RunConsole, DivergenceGuard):
         """Model (meta -> parallelize -> materialise), optimizer, LR schedule, checkpointer; writes nothing."""
         cfg = self.cfg
         checked_optimizer(cfg.optimizer)  # a registered name and its own checks, before any model is built
+        validate_remedies(cfg.remedies)
         self.spec, self.args, self.model = build_meta_model(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
         self.n_params = count_params(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.training.seq_len)
@@ -132,6 +135,10 @@ class Trainer(RunConsole, DivergenceGuard):
         if line:
             self.log0(line)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.remedies = Remedies(self.model, cfg, RemedyContext(
+            dp_group=self.dims.dp_mesh.get_group() if self.dims.dp > 1 else None,
+            tp_group=self.mesh["tp"].get_group() if self.dims.tp > 1 else None,
+            tokens_per_step=cfg.training.global_batch_size * cfg.training.seq_len))
         self.train_iter = iter(self.train_loader)
         self.state = TrainState()
         self.checkpointer = Checkpointer(
@@ -221,9 +228,13 @@ class Trainer(RunConsole, DivergenceGuard):
             inputs, labels = next(self.train_iter)
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             logits = self.model(inputs)
+            term = self.remedies.loss_term()  # a remedy's share of this micro-batch (the same on every TP rank)
             with loss_context(logits):
                 loss = self.loss_fn(logits, labels)
-                loss.backward()
+                if term is not None and isinstance(loss, DTensor):
+                    term = DTensor.from_local(term, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim,
+                                              run_check=False)
+                (loss if term is None else loss + term).backward()
             loss_sum += replicated_value(loss.detach())
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = grad_norm(params)
@@ -234,6 +245,7 @@ class Trainer(RunConsole, DivergenceGuard):
             self.optimizer.step()
             if self.spec.post_step is not None:
                 self.spec.post_step(self.model)
+            self.remedies.after_step()
         else:
             self.state.skipped_steps += 1
             self.log0(f"step {self.state.step}: non-finite gradient norm, update skipped on all ranks")

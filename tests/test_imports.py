@@ -112,6 +112,7 @@ LAYERS = (
     ("checkpoint",),
     ("eval",),
     ("hf",),
+    ("remedies",),
     ("components",),
     ("training",),
     ("trainer",),

@@ -84,17 +84,24 @@ class OptimizerCommon:
                          "(learned attention sink logits), v_scale, head_norm (pre_ln's value-path steps).")
 
 
-_COMMON = {"model": ModelCommon, "optimizer": OptimizerCommon}
-_OPTIONAL = {"model": True, "optimizer": False}
-"""[model] fields hold None for "the owner's default (or the flavor's)"; [optimizer] fields hold the default."""
-_GROUPS: dict[str, list[OptionGroup]] = {"model": [], "optimizer": []}
+@dataclass
+class RemediesCommon:
+    """The ``[remedies]`` section: no common option; each training remedy (``outlier_titan.remedies``: a loss term,
+    an after-step hook) composes in its own, prefixed with its name, and is on when they say so."""
+
+
+_COMMON = {"model": ModelCommon, "optimizer": OptimizerCommon, "remedies": RemediesCommon}
+_OPTIONAL = {"model": True, "optimizer": False, "remedies": False}
+"""[model] fields hold None for "the owner's default (or the flavor's)"; [optimizer] and [remedies] fields hold the
+default."""
+_GROUPS: dict[str, list[OptionGroup]] = {"model": [], "optimizer": [], "remedies": []}
 _SECTIONS: dict[str, type] = {}
 
 
 def section_class(name: str) -> type:
-    """The ``[model]`` or ``[optimizer]`` section as composed now: the common options, then every registered
-    component's own (model specs', attention variants', optimizers'), in registration order. ``Model`` and
-    ``Optimizer`` of this module are this (composed when first read)."""
+    """The ``[model]``, ``[optimizer]`` or ``[remedies]`` section as composed now: the common options, then every
+    registered component's own (model specs', attention variants', optimizers', training remedies'), in registration
+    order. ``Model``, ``Optimizer`` and ``Remedies`` of this module are this (composed when first read)."""
     if not len(ATTENTION_NAMES) or not len(OPTIMIZER_NAMES):
         raise UserError("no model components are registered: import outlier_titan.components first (every entry "
                         "point does; it registers the built-in specs, attention variants and optimizers)")
@@ -105,19 +112,20 @@ def section_class(name: str) -> type:
 
 
 def __getattr__(name: str) -> type:
-    if name in ("Model", "Optimizer"):
+    if name in ("Model", "Optimizer", "Remedies"):
         return section_class(name.lower())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def add_option_group(group: OptionGroup) -> None:
-    """Composes ``group`` (a component's own options) into its section (``[model]`` or ``[optimizer]``): configs
+    """Composes ``group`` (a component's own options) into its section (``[model]``, ``[optimizer]`` or
+    ``[remedies]``): configs
     made from now on have its keys, with their defaults, and ``--help`` lists them under their owner. Registering
     the same options again is a no-op; a key another owner declares with the same type (and, in ``[optimizer]``,
     the same default) is shared (its metadata names both owners); otherwise a key that exists is a UserError."""
     if group.section not in _GROUPS:
-        raise UserError(f"options of {group.label()}: a component may add options to [model] or [optimizer], "
-                        f"not [{group.section}]")
+        raise UserError(f"options of {group.label()}: a component may add options to [model], [optimizer] or "
+                        f"[remedies], not [{group.section}]")
     groups = _GROUPS[group.section]
     if any(g.owner == group.owner and g.kind == group.kind and g.cls is group.cls for g in groups):
         return
@@ -265,6 +273,7 @@ class JobConfig:
     job: Job = field(default_factory=Job)
     model: ModelCommon = field(default_factory=lambda: section_class("model")())  # the composed [model]
     optimizer: OptimizerCommon = field(default_factory=lambda: section_class("optimizer")())
+    remedies: RemediesCommon = field(default_factory=lambda: section_class("remedies")())  # the composed [remedies]
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     data: Data = field(default_factory=Data)

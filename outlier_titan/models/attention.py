@@ -114,6 +114,20 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, opts: AttentionOptions, 
     return weights(s, _visible(n_q, n_k, first, s.device), first, t, opts, state)
 
 
+@torch.no_grad()
+def max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int | None = None) -> torch.Tensor:
+    """MaxLogit per sequence and head [B, H]: ``max_{j <= i} scale * q_i . k_j`` over the causal pairs, before any
+    soft-cap or variant (Kimi Team 2025, arXiv 2507.20534); ``k`` repeated to q's heads. One block of ``rows``
+    (default ``CHUNK_ROWS``) queries at a time, so no [T, T] tensor is held; no gradient."""
+    t, rows = q.shape[-2], rows or CHUNK_ROWS
+    out = None
+    for first in range(0, t, rows):
+        last = min(t, first + rows)
+        block = causal_logits(q[:, :, first:last], k[:, :, :last], scale, first=first).amax((-2, -1))
+        out = block if out is None else torch.maximum(out, block)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the attention call
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from outlier_titan.models.attention import attention_weights, run_attention
+from outlier_titan.models.attention import attention_weights, max_logits, run_attention
 from outlier_titan.models.attention_variants import AttentionOptions, get_variant
 from outlier_titan.models.value_path import HeadRMSNorm, VScale
 
@@ -112,17 +112,27 @@ def explicit_attention_probs(q: torch.Tensor, k: torch.Tensor, variant: str, sca
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str, scale: float | None = None,
               prob_hook: Callable[[torch.Tensor], None] | None = None, opts: AttentionOptions | None = None,
-              state=None, softcap: float = 0.0) -> torch.Tensor:
+              state=None, softcap: float = 0.0,
+              logit_hook: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """Causal attention of ``variant`` over [B, H, T, d_h] tensors (k, v may have fewer heads: GQA).
 
-    With ``prob_hook`` the weights are computed explicitly (for the outlier probe) and passed to the hook.
+    With ``prob_hook`` the weights are computed explicitly (for the outlier probe) and passed to the hook; with
+    ``logit_hook`` the per-sequence, per-head MaxLogit [B, H] (``attention.max_logits``, no gradient, chunked) is.
     ``opts``: the variant's options (default: its defaults); ``state``: the variant's state (e.g. its learned
     logits). The paths and backends: :mod:`outlier_titan.models.attention`.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k, v = repeat_kv(q, k, v)
+    if logit_hook is not None:
+        _hand_max_logits(logit_hook, q, k, scale)
     opts = opts if opts is not None else AttentionOptions(variant=variant)
     return run_attention(q, k, v, opts, scale, state=state, softcap=softcap, prob_hook=prob_hook)
+
+
+@torch.compiler.disable
+def _hand_max_logits(hook: Callable[[torch.Tensor], None], q: torch.Tensor, k: torch.Tensor, scale: float) -> None:
+    """Outside a compiled graph: the hook is the caller's Python (it keeps or reduces the values)."""
+    hook(max_logits(q.detach(), k.detach(), scale))
 
 
 class Attention(nn.Module):
@@ -134,6 +144,10 @@ class Attention(nn.Module):
     ``v_scale`` on the values, ``head_norm`` on each head's aggregated output (before the variant's output step
     and ``wo``); None when off.
     """
+
+    logits_bilinear_in_wq_wk = True
+    """The logits scale with the rows of ``wq`` and ``wk`` (false for a subclass that normalises q and k: QK-Clip
+    then refuses the model)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, bias: bool, variant: str,
                  qk_norm: bool = False, rope: RotaryEmbedding | None = None, norm_eps: float = 1e-6,
@@ -161,6 +175,8 @@ class Attention(nn.Module):
                 setattr(self, p.name, built[p.name])
         self.prob_hook: Callable[[torch.Tensor], None] | None = None
         self.head_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        # the probe's MaxLogit metric and QK-Clip: the per-sequence, per-head MaxLogit [B, H_local] of each forward
+        self.logit_hook: Callable[[torch.Tensor], None] | None = None
         # post-training KV-cache fake quantisation (quant/ptq.py): (k, v) after RoPE -> (k^, v^)
         self.kv_quant: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -204,7 +220,7 @@ class Attention(nn.Module):
         """The variant's attention output [B, H_local, T, d_h] (gate applied; ``x`` is the gate's input)."""
         state = self._forms.state(self) if self._forms.state is not None else None
         out = attention(q, k, v, self.variant, scale=scale, prob_hook=self.prob_hook, opts=self.opts, state=state,
-                        softcap=softcap)
+                        softcap=softcap, logit_hook=self.logit_hook)
         if self.head_norm is not None:
             out = self.head_norm(out)
         if self._forms.output is not None:

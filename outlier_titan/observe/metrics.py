@@ -26,7 +26,7 @@ from outlier_titan.errors import UserError
 
 F64 = torch.float64
 TINY = torch.finfo(F64).tiny
-READS = ("residual", "attention", "heads", "gradient")
+READS = ("residual", "attention", "heads", "gradient", "logits")
 STREAMS = ("residual", "gradient")  # [B, T, D] inputs read by the cheap probe
 MODES = ("cheap", "full")
 SHOWN = ("report", "collect", "plot", "profile")
@@ -96,8 +96,28 @@ class HeadsInput:
         self.out, self.v = out, v
 
 
-INPUTS = {"residual": ResidualInput, "attention": AttentionInput, "heads": HeadsInput,
+class LogitsInput:
+    """One Attention's MaxLogit per sequence and head ``m`` [B, H] (``models.attention.max_logits``: the largest
+    causal ``scale * q_i . k_j``, before any soft-cap or variant)."""
+
+    def __init__(self, m: torch.Tensor):
+        if m.dim() != 2:
+            raise ValueError(f"max logits must be [B, H], got shape {tuple(m.shape)}")
+        self.m = m
+
+
+INPUTS = {"residual": ResidualInput, "attention": AttentionInput, "heads": HeadsInput, "logits": LogitsInput,
           "gradient": ResidualInput}  # the gradient of the loss w.r.t. the residual stream, same layout
+
+
+def is_max(key: str) -> bool:
+    """A sum key starting with ``max_`` holds maxima: batches and ranks combine it by max, not by sum."""
+    return key.startswith("max_")
+
+
+def is_per_head(key: str) -> bool:
+    """A sum key laid out over the heads (``head_*``, ``max_head_*``): TP ranks place it at their heads."""
+    return key.startswith("head_") or key.startswith("max_head_")
 
 
 class Headline(NamedTuple):
@@ -117,12 +137,13 @@ class Metric:
     """What it logs, after ``outliers/``, ``outliers/layer_<i>/`` or ``outliers/head_input/``."""
     reads: str
     """The probe input: ``residual`` (:class:`ResidualInput`: every block's output and the pre-head input),
-    ``attention`` (:class:`AttentionInput`), ``heads`` (:class:`HeadsInput`) or ``gradient`` (a
-    :class:`ResidualInput` of the loss gradient w.r.t. the same tensors as ``residual``; only with
+    ``attention`` (:class:`AttentionInput`), ``heads`` (:class:`HeadsInput`), ``logits`` (:class:`LogitsInput`) or
+    ``gradient`` (a :class:`ResidualInput` of the loss gradient w.r.t. the same tensors as ``residual``; only with
     ``observe.gradients``, which costs a backward)."""
     sums: Callable[[Any], dict[str, torch.Tensor]]
     """Input -> float64 sums of one layer. A ``head_*`` key is an [H] vector over this rank's heads; the probe lays
-    it out at the global head positions under tensor parallelism. Anything else adds up over ranks as it is."""
+    it out at the global head positions under tensor parallelism. A ``max_*`` key (``max_head_*`` per head) is a
+    maximum, combined by max over batches and ranks. Anything else adds up over ranks as it is."""
     finalize: Callable[[dict[str, torch.Tensor]], dict[str, float]]
     """Reduced (host, float64) sums -> ``{name: value}``; a name without data is left out."""
     label: str
@@ -140,6 +161,9 @@ class Metric:
     headline: tuple[Headline, ...] = ()
     legacy: dict[str, str] = field(default_factory=dict)
     """Old logged name -> the name its definition has now (runs that logged only the old name)."""
+    across_layers: str = "mean"
+    """``outliers/<name>`` over the blocks: their ``mean`` (the papers' "averaged across layers") or ``max``
+    (MaxLogit: the model's largest)."""
 
     def __call__(self, *tensors, **kw) -> dict[str, float]:
         """The direct form on one shard: finalise the sums of ``tensors`` (host float64)."""
@@ -171,7 +195,7 @@ _EVALUATIONS: dict[str, Evaluation] = {}
 def register_metric(key: str, names, reads: str, sums: Callable, finalize: Callable, *, label: str,
                     lower_is_better: bool | None = True, mode: str | None = None, when: Callable | None = None,
                     shown: dict | None = None, headline=(), legacy: dict | None = None,
-                    replace: bool = False) -> Metric:
+                    across_layers: str = "mean", replace: bool = False) -> Metric:
     """Adds a metric to the probe, the evaluator, sweep results and ``scripts/analyze.py`` (see :class:`Metric`);
     ``shown`` maps a place to names or ``(name, rank)`` pairs; ``mode`` defaults to ``cheap`` for the residual
     stream and ``full`` otherwise."""
@@ -187,6 +211,8 @@ def register_metric(key: str, names, reads: str, sums: Callable, finalize: Calla
         [n for h in headline for n in h.names if n not in names]
     if unknown:
         raise UserError(f"metric {key!r}: unknown place or name {unknown[0]!r} (places: {', '.join(SHOWN)})")
+    if across_layers not in ("mean", "max"):
+        raise UserError(f"metric {key!r}: across_layers must be 'mean' or 'max', not {across_layers!r}")
     if key in _REGISTRY and not replace:
         raise UserError(f"metric {key!r} is already registered; pick another name or pass replace=True")
     taken = {n: m.key for m in _REGISTRY.values() if m.key != key for n in m.names}
@@ -194,7 +220,7 @@ def register_metric(key: str, names, reads: str, sums: Callable, finalize: Calla
         n = next(n for n in names if n in taken)
         raise UserError(f"metric {key!r}: the name {n!r} is already logged by metric {taken[n]!r}")
     m = Metric(key, names, reads, sums, finalize, label, lower_is_better, mode, when, shown, tuple(headline),
-               dict(legacy or {}))
+               dict(legacy or {}), across_layers)
     _REGISTRY[key] = m
     return m
 
@@ -273,12 +299,14 @@ def host(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def add_sums(acc: dict | None, new: dict) -> dict:
-    """Element-wise sum of two statistics dicts, nested ones included (``acc`` may be None)."""
+    """Element-wise sum of two statistics dicts, nested ones included (``acc`` may be None); ``max_*`` keys take
+    the element-wise maximum."""
     if acc is None:
         return dict(new)
     if acc.keys() != new.keys():
         raise ValueError(f"statistics differ in keys: {sorted(acc)} vs {sorted(new)}")
-    return {k: add_sums(acc[k], new[k]) if isinstance(new[k], dict) else acc[k] + new[k] for k in acc}
+    return {k: add_sums(acc[k], new[k]) if isinstance(new[k], dict) else
+            torch.maximum(acc[k], new[k]) if is_max(k) else acc[k] + new[k] for k in acc}
 
 
 def layer_sums(reads: str, *tensors, metrics: list[Metric] | None = None, **kw) -> dict[str, dict[str, torch.Tensor]]:
@@ -303,10 +331,13 @@ def measure(reads: str, *tensors, **kw) -> dict[str, float]:
 
 
 def layer_mean(per_layer: list[dict[str, float]]) -> dict[str, float]:
-    """Mean over layers of each metric present in every layer."""
+    """Mean over layers of each metric present in every layer (the maximum for a metric registered with
+    ``across_layers="max"``)."""
     if not per_layer:
         return {}
     keys = set(per_layer[0])
     for m in per_layer[1:]:
         keys &= set(m)
-    return {k: sum(m[k] for m in per_layer) / len(per_layer) for k in sorted(keys)}
+    maxed = {n for m in registered() if m.across_layers == "max" for n in m.names}
+    return {k: max(m[k] for m in per_layer) if k in maxed else sum(m[k] for m in per_layer) / len(per_layer)
+            for k in sorted(keys)}

@@ -18,7 +18,9 @@ the tensor-parallel dim, then copied to the host once. Under TP the residual str
 contributes it; attention heads are local to a TP rank, so their sums add up over TP.
 
 Metrics reading the residual stream get every block's output and the pre-head input; those reading attention
-weights each Attention's ``prob_hook``, those reading per-head outputs and value states its ``head_hook``. Per-head
+weights each Attention's ``prob_hook``, those reading per-head outputs and value states its ``head_hook``, those
+reading the MaxLogit its ``logit_hook`` (a training remedy's hook there is put back afterwards). Sums whose key
+starts with ``max_`` are maxima and are reduced by max. Per-head
 vectors (``head_*`` sums) are laid out at their global head positions before the TP all-reduce.
 
 Scalars (identical on all ranks): ``outliers/layer_<i>/<name>`` per block, ``outliers/head_input/<name>``
@@ -152,6 +154,13 @@ class OutlierProbe:
                 add_attn(name, module, sums, r)
             return torch.compiler.disable(hook)
 
+        def logit_hook(name, module):
+            def hook(m):
+                r = self._tp_mesh is not None and m.shape[1] == self._n_heads(module)
+                inp = metrics.LogitsInput(m)
+                add_attn(name, module, {k.key: k.sums(inp) for k in self.metrics["logits"]}, r)
+            return torch.compiler.disable(hook)
+
         def heads_hook(name, module):
             def hook(out, v):
                 inp = metrics.HeadsInput(out, v)
@@ -164,12 +173,16 @@ class OutlierProbe:
         if streams is not None:
             handles.append(self.model.tok_embeddings.register_forward_hook(embed_hook))
         hooked: list[Attention] = []
+        saved: dict[Attention, object] = {}
         try:
             if self.full:
                 for name, mods in self.attention.items():
                     for m in mods:
                         m.prob_hook = prob_hook(name, m)
                         m.head_hook = heads_hook(name, m)
+                        saved[m] = m.logit_hook  # a training remedy's (QK-Clip), put back after the probe
+                        if self.metrics["logits"]:
+                            m.logit_hook = logit_hook(name, m)
                         hooked.append(m)
             logits = self.model(tokens)
         finally:
@@ -178,6 +191,7 @@ class OutlierProbe:
             for m in hooked:
                 m.prob_hook = None
                 m.head_hook = None
+                m.logit_hook = saved.get(m)
         if streams is not None:
             for name, g in self._stream_gradients(logits, tokens, streams).items():
                 x, r = self._full_residual(g, seq_len)
@@ -202,7 +216,8 @@ class OutlierProbe:
         return {n: torch.zeros_like(streams[n]) if g is None else g for n, g in zip(names, grads)}
 
     def reduce(self, sums: dict) -> dict:
-        """Adds the sums over all ranks (DP dims and TP) with one flat all-reduce per mesh dim; host copy."""
+        """Adds the sums over all ranks (DP dims and TP) with one flat all-reduce per mesh dim (and one of the
+        maxima, ``max_*`` keys, by max); host copy."""
         entries = []  # (section, layer, metric, key, tensor)
         for sec in ("res", "head", "attn"):
             layers = {None: sums[sec]} if sec == "head" else {n: sums[sec].get(n, {}) for n in self.layer_names}
@@ -212,21 +227,28 @@ class OutlierProbe:
         if not entries:
             return sums
         zero = {"res": sums["rep"]["res"], "head": sums["rep"]["res"], "attn": sums["rep"]["attn"]}
-        parts = []
-        for sec, _, _, _, v in entries:
-            v = v.to(torch.float64).reshape(-1)
-            parts.append(torch.zeros_like(v) if self._tp_rank != 0 and zero[sec] else v)
-        flat = torch.cat(parts)
-        for group in self._dp_groups + ([self._tp_group] if self._tp_group is not None else []):
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat = flat.cpu()
+        groups = self._dp_groups + ([self._tp_group] if self._tp_group is not None else [])
+        reduced = {}
+        for maxima in (False, True):
+            part = [e for e in entries if metrics.is_max(e[3]) == maxima]
+            if not part:
+                continue
+            # a TP-replicated sum counts once (TP rank 0); a replicated maximum is the same on every rank
+            values = []
+            for sec, _, _, _, v in part:
+                v = v.to(torch.float64).reshape(-1)
+                values.append(torch.zeros_like(v) if self._tp_rank != 0 and zero[sec] and not maxima else v)
+            flat = torch.cat(values)
+            for group in groups:
+                dist.all_reduce(flat, op=dist.ReduceOp.MAX if maxima else dist.ReduceOp.SUM, group=group)
+            flat, offset = flat.cpu(), 0
+            for sec, name, metric, k, v in part:
+                reduced[(sec, name, metric, k)] = flat[offset:offset + v.numel()].reshape(v.shape)
+                offset += v.numel()
         out = {"res": {}, "head": {}, "attn": {}, "rep": sums["rep"]}
-        offset = 0
-        for sec, name, metric, k, v in entries:
-            n = v.numel()
+        for sec, name, metric, k, _ in entries:
             target = out["head"] if sec == "head" else out[sec].setdefault(name, {})
-            target.setdefault(metric, {})[k] = flat[offset:offset + n].reshape(v.shape)
-            offset += n
+            target.setdefault(metric, {})[k] = reduced[(sec, name, metric, k)]
         return out
 
     def finalize(self, sums: dict) -> tuple[dict[str, float], dict[str, np.ndarray]]:
@@ -291,8 +313,8 @@ class OutlierProbe:
         n = self._n_heads(module)
         out = dict(sums)
         for k, v in sums.items():
-            if k.startswith("head_"):
-                full = v.new_zeros(n)
+            if metrics.is_per_head(k):  # maxima: -inf at the other ranks' heads
+                full = v.new_full((n,), float("-inf")) if metrics.is_max(k) else v.new_zeros(n)
                 h = v.shape[0]
                 full[self._tp_rank * h:(self._tp_rank + 1) * h] = v
                 out[k] = full

@@ -92,7 +92,7 @@ class RunConsole:
         self.last_loss = loss_v
         scalars = {"loss": loss_v, "lr": lr, "grad_norm": float(norm), **self.throughput.read(),
                    "memory_gib": peak_memory_gib(self.device), "skipped_steps": float(self.state.skipped_steps),
-                   "tokens": float(step * self.tokens_per_step)}
+                   "tokens": float(step * self.tokens_per_step), **self.remedies.scalars()}
         mfu = f"  mfu {scalars['mfu']:.1f}%" if "mfu" in scalars else ""
         line = (f"{self._progress(step)}  loss {loss_v:.4f}  lr {lr:.2e}  gnorm {scalars['grad_norm']:.3f}  "
                 f"tok/s {scalars['tokens_per_second']:,.0f}{mfu}  mem {scalars['memory_gib']:.2f}GiB")

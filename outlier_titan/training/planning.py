@@ -21,6 +21,7 @@ from outlier_titan.data.tokenizer import planning_vocab
 from outlier_titan.errors import ConfigError
 from outlier_titan.models.registry import count_params, flops_per_token, model_args
 from outlier_titan.optim.builder import checked_optimizer
+from outlier_titan.remedies import validate_remedies
 from outlier_titan.parallel.dims import ParallelDims
 from outlier_titan.parallel.parallelize import parallelize
 
@@ -77,6 +78,7 @@ def plan(cfg: JobConfig) -> Plan:
     if p.dp_shard == -1:
         raise ConfigError("--dry_run needs an explicit parallelism.dp_shard (the world size comes from the degrees)")
     optim_spec = checked_optimizer(cfg.optimizer)
+    validate_remedies(cfg.remedies)
     world = p.dp_replicate * p.dp_shard * p.tp
     dims = ParallelDims.from_config(p, world)
     from torch.testing._internal.distributed.fake_pg import FakeStore

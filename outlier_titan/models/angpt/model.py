@@ -109,6 +109,8 @@ class ANGPTArgs(ANGPTOptions):
 class ANGPTAttention(Attention):
     """(Wq, Wk, Wv) h * nu_qkv, RoPE, exact per-head L2 QK norm, per-head temperature g, Wo (.) * nu_p."""
 
+    logits_bilinear_in_wq_wk = False  # q, k are L2-normalised: rescaling W_q / W_k leaves the logits
+
     def __init__(self, args: ANGPTArgs, rope: RotaryEmbedding | None):
         super().__init__(args.dim, args.n_heads, args.n_heads, bias=False, variant=args.softmax, rope=rope)
         self.nu_qkv = math.sqrt(args.dim / self.head_dim)
@@ -119,7 +121,8 @@ class ANGPTAttention(Attention):
         q, k, v = self.project_qkv(x)
         q, k, v = q * self.nu_qkv, k * self.nu_qkv, v * self.nu_qkv
         q, k = self.temperature(l2norm(q)), l2norm(k)
-        return self.project_out(attention(q, k, v, self.variant, scale=1.0, prob_hook=self.prob_hook)) * self.nu_p
+        return self.project_out(attention(q, k, v, self.variant, scale=1.0, prob_hook=self.prob_hook,
+                                          logit_hook=self.logit_hook)) * self.nu_p
 
 
 class ANGPTMLP(nn.Module):

@@ -222,6 +222,8 @@ def validate_normalized_args(args, spec: str) -> None:
 class NGPTAttention(Attention):
     """q, k, v projections (no bias), RoPE, per-head L2 norm times s_qk, attention with scale sqrt(d_h)."""
 
+    logits_bilinear_in_wq_wk = False  # q, k are L2-normalised: rescaling W_q / W_k leaves the logits
+
     def __init__(self, args: NGPTArgs, rope: RotaryEmbedding | None):
         super().__init__(args.dim, args.n_heads, args.n_heads, bias=False, variant=args.softmax, rope=rope)
         self.sqk = HeadScale(args.n_heads, self.head_dim, mult=1.0 / args.param_scale, stored_init=args.param_scale)
@@ -230,7 +232,7 @@ class NGPTAttention(Attention):
         q, k, v = self.project_qkv(x)
         q, k = self.sqk(l2norm(q)), self.sqk(l2norm(k))
         return self.project_out(attention(q, k, v, self.variant, scale=self.head_dim ** 0.5,
-                                          prob_hook=self.prob_hook))
+                                          prob_hook=self.prob_hook, logit_hook=self.logit_hook))
 
 
 class NGPTMLP(nn.Module):
