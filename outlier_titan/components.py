@@ -11,5 +11,5 @@ from outlier_titan.models import attention_variants  # noqa: F401
 from outlier_titan.optim.tiles import settings  # noqa: F401
 from outlier_titan.optim import muon_settings, builder  # noqa: F401
 from outlier_titan.data import sources  # noqa: F401
-from outlier_titan.observe import outliers, sinks, osp_kurtosis  # noqa: F401
+from outlier_titan.observe import outliers, sinks, osp_kurtosis, super_weights  # noqa: F401
 from outlier_titan.quant import ptq  # noqa: F401

@@ -26,7 +26,7 @@ from outlier_titan.errors import UserError
 
 F64 = torch.float64
 TINY = torch.finfo(F64).tiny
-READS = ("residual", "attention", "heads")
+READS = ("residual", "attention", "heads", "down_proj")
 MODES = ("cheap", "full")
 SHOWN = ("report", "collect", "plot", "profile")
 
@@ -95,7 +95,22 @@ class HeadsInput:
         self.out, self.v = out, v
 
 
-INPUTS = {"residual": ResidualInput, "attention": AttentionInput, "heads": HeadsInput}
+class DownProjInput:
+    """One block's MLP down projection (``feed_forward.w2``): its whole input ``x_in`` [B, T, F], output ``x_out``
+    [B, T, D] and weight [D, F] (gathered under TP). ``global_max`` reduces a float64 vector element-wise with max
+    over the data-parallel ranks (the probe's; identity on one shard): a metric of the spikes' coordinates needs
+    the batch's maximum before it can read the weight there, which no sum gives."""
+
+    def __init__(self, x_in: torch.Tensor, x_out: torch.Tensor, weight: torch.Tensor,
+                 global_max: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.x_in, self.x_out, self.weight = x_in, x_out, weight
+        self.global_max = global_max or (lambda t: t)
+
+    def count(self, n: float) -> torch.Tensor:
+        return self.x_in.new_full((), float(n), dtype=F64)
+
+
+INPUTS = {"residual": ResidualInput, "attention": AttentionInput, "heads": HeadsInput, "down_proj": DownProjInput}
 
 
 class Headline(NamedTuple):
@@ -115,7 +130,8 @@ class Metric:
     """What it logs, after ``outliers/``, ``outliers/layer_<i>/`` or ``outliers/head_input/``."""
     reads: str
     """The probe input: ``residual`` (:class:`ResidualInput`: every block's output and the pre-head input),
-    ``attention`` (:class:`AttentionInput`) or ``heads`` (:class:`HeadsInput`)."""
+    ``attention`` (:class:`AttentionInput`), ``heads`` (:class:`HeadsInput`) or ``down_proj``
+    (:class:`DownProjInput`)."""
     sums: Callable[[Any], dict[str, torch.Tensor]]
     """Input -> float64 sums of one layer. A ``head_*`` key is an [H] vector over this rank's heads; the probe lays
     it out at the global head positions under tensor parallelism. Anything else adds up over ranks as it is."""
@@ -136,6 +152,8 @@ class Metric:
     headline: tuple[Headline, ...] = ()
     legacy: dict[str, str] = field(default_factory=dict)
     """Old logged name -> the name its definition has now (runs that logged only the old name)."""
+    averaged: tuple[str, ...] | None = None
+    """The names logged as ``outliers/<name>``, the mean over blocks (None: all; a channel index has no mean)."""
 
     def __call__(self, *tensors, **kw) -> dict[str, float]:
         """The direct form on one shard: finalise the sums of ``tensors`` (host float64)."""
@@ -167,7 +185,7 @@ _EVALUATIONS: dict[str, Evaluation] = {}
 def register_metric(key: str, names, reads: str, sums: Callable, finalize: Callable, *, label: str,
                     lower_is_better: bool | None = True, mode: str | None = None, when: Callable | None = None,
                     shown: dict | None = None, headline=(), legacy: dict | None = None,
-                    replace: bool = False) -> Metric:
+                    averaged=None, replace: bool = False) -> Metric:
     """Adds a metric to the probe, the evaluator, sweep results and ``scripts/analyze.py`` (see :class:`Metric`);
     ``shown`` maps a place to names or ``(name, rank)`` pairs; ``mode`` defaults to ``cheap`` for the residual
     stream and ``full`` otherwise."""
@@ -190,7 +208,7 @@ def register_metric(key: str, names, reads: str, sums: Callable, finalize: Calla
         n = next(n for n in names if n in taken)
         raise UserError(f"metric {key!r}: the name {n!r} is already logged by metric {taken[n]!r}")
     m = Metric(key, names, reads, sums, finalize, label, lower_is_better, mode, when, shown, tuple(headline),
-               dict(legacy or {}))
+               dict(legacy or {}), None if averaged is None else tuple(averaged))
     _REGISTRY[key] = m
     return m
 
@@ -302,4 +320,5 @@ def layer_mean(per_layer: list[dict[str, float]]) -> dict[str, float]:
     keys = set(per_layer[0])
     for m in per_layer[1:]:
         keys &= set(m)
+    keys -= {n for m in registered() if m.averaged is not None for n in m.names if n not in m.averaged}
     return {k: sum(m[k] for m in per_layer) / len(per_layer) for k in sorted(keys)}
