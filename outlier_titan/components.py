@@ -12,4 +12,4 @@ from outlier_titan.optim.tiles import settings  # noqa: F401
 from outlier_titan.optim import muon_settings, builder  # noqa: F401
 from outlier_titan.data import sources  # noqa: F401
 from outlier_titan.observe import outliers, sinks, osp_kurtosis, super_weights  # noqa: F401
-from outlier_titan.quant import ptq  # noqa: F401
+from outlier_titan.quant import ptq, super_weight  # noqa: F401

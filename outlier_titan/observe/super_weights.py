@@ -13,9 +13,9 @@ Choices where the paper or the code leave one open:
 * **Both spikes.** The authors print input and output spikes separately and pair them by eye; we call a layer a
   super-weight layer only when both exceed the threshold (the super activation is the output spike that the
   input spike times the super weight produces).
-* **Several per layer.** One top-1 pass finds at most one per layer, yet the authors' list has two in one layer
-  (Llama-13B layer 2, same row). :func:`detect` therefore repeats the pass with the weights found so far zeroed,
-  up to ``rounds`` passes, until no new one appears (the released code has no such loop).
+* **One per layer.** The rule's top-1 pass gives at most one super weight per layer (the authors' list has two
+  in one layer for Llama-13B, found by means their code does not show); zeroing it and repeating the pass does not
+  find a second one, since the input spike, made upstream, stays where it was. We keep the one pass.
 * **Ties.** Among the elements of largest magnitude we take the smallest channel (and the largest signed value at
   it), a rule independent of how the batch is split over ranks.
 """
@@ -100,34 +100,16 @@ def layer_spikes(model: nn.Module, tokens: torch.Tensor) -> dict[str, dict[str, 
     return found
 
 
-@torch.no_grad()
-def detect(model: nn.Module, tokens: torch.Tensor, threshold: float = SPIKE_THRESHOLD, rounds: int = 8
-           ) -> list[SuperWeight]:
-    """The super weights of ``model`` on ``tokens`` [B, T] by the paper's rule (module docstring): layers whose
-    down projection's input and output spikes both exceed ``threshold``; repeated with the found weights zeroed
-    until a pass finds none or after ``rounds`` passes. The model is left unchanged."""
-    found: list[SuperWeight] = []
+def detect(model: nn.Module, tokens: torch.Tensor, threshold: float = SPIKE_THRESHOLD) -> list[SuperWeight]:
+    """The super weights of ``model`` on ``tokens`` [B, T] by the paper's rule (module docstring): one forward
+    pass; each layer whose down projection's input and output spikes both exceed ``threshold`` gives
+    ``W[output spike's channel, input spike's channel]``."""
     projections = down_projections(model)
-    saved: list[tuple[nn.Linear, int, int, torch.Tensor]] = []
-    try:
-        for _ in range(rounds):
-            new = []
-            for name, s in layer_spikes(model, tokens).items():
-                if abs(s["in"]) > threshold and abs(s["out"]) > threshold:
-                    lin, row, col = projections[name], int(s["out_channel"]), int(s["in_channel"])
-                    if any(f.layer == name and (f.row, f.col) == (row, col) for f in found):
-                        continue
-                    new.append(SuperWeight(name, row, col, float(lin.weight[row, col]), s["in"], s["out"]))
-            if not new:
-                break
-            for sw in new:
-                lin = projections[sw.layer]
-                saved.append((lin, sw.row, sw.col, lin.weight[sw.row, sw.col].clone()))
-                lin.weight[sw.row, sw.col] = 0.0
-            found += new
-    finally:
-        for lin, row, col, value in reversed(saved):
-            lin.weight[row, col] = value
+    found = []
+    for name, s in layer_spikes(model, tokens).items():
+        if abs(s["in"]) > threshold and abs(s["out"]) > threshold:
+            row, col = int(s["out_channel"]), int(s["in_channel"])
+            found.append(SuperWeight(name, row, col, float(projections[name].weight.detach()[row, col]), s["in"], s["out"]))
     return found
 
 
