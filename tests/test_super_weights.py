@@ -208,3 +208,30 @@ def test_tracked_super_weight_equal_at_1_2_4_ranks_and_tp(world, layouts, tmp_pa
             assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), (key, k, got[k], ref[k])
         for r in range(1, world):
             assert per_rank[r][key] == got, (key, r)
+
+
+def test_evaluate_runs_the_zeroing_schemes_on_a_debug_checkpoint(tmp_path, capsys):
+    """A real checkpoint (train.py, 1 rank, debug flavor) through scripts/evaluate.py with the three schemes: they
+    are listed in --help and the report; a 3-step model has no spike above |50|, so nothing is zeroed and Δppl = 0."""
+    import json
+
+    from outlier_titan.tools import evaluate as ev
+    from tests.launch import TINY, train
+
+    run = train(tmp_path, *TINY, "--training.steps", "3", "--checkpoint.enable", "true", "--training.seq_len", "32")
+    run.check()
+    with pytest.raises(SystemExit):
+        ev.main(["--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    assert all(n in text for n in ("superweight_zero:", "superweight_random:", "superweight_topk:"))
+    names = ["superweight_zero", "superweight_random", "superweight_topk"]
+    rc = ev.main(["--checkpoint", str(run.run_dir), "--tokens", "128", "--batch-size", "2", "--calib-batches", "1",
+                  "--calib-seeds", "1", "--schemes", ",".join(names), "--device", "cpu"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    report = json.loads((run.run_dir / "eval" / "step-3.json").read_text())
+    assert [e["scheme"] for e in report["schemes"]] == names
+    for e in report["schemes"]:
+        assert e["edit"] == [{"super_weights": [], "zeroed": []}] and e["delta"] == 0.0
+    assert "| superweight_zero |" in (run.run_dir / "eval" / "step-3.md").read_text()
+    assert any(k.endswith("/sa_out_channel") for k in report["probe"])
