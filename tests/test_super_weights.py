@@ -150,7 +150,8 @@ def test_zeroing_schemes_change_one_weight_per_super_weight(scheme):
         else:
             assert not set(zeroed) & {("0", 3, 9), PLANT}
         if scheme == "superweight_topk":  # the largest |w| of the down projections but the super weights
-            w = torch.cat([(before[f"layers.{n}.feed_forward.w2.weight"].abs()).reshape(-1) for n in sw.down_projections(model)])
+            w = torch.cat([before[f"layers.{n}.feed_forward.w2.weight"].abs().reshape(-1)
+                           for n in sw.down_projections(model)])
             assert sorted(float(before[k][i].abs()) for k, i in changed) == sorted(w.topk(4).values[2:].tolist())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # restored
 

@@ -154,6 +154,8 @@ class Metric:
     """Old logged name -> the name its definition has now (runs that logged only the old name)."""
     averaged: tuple[str, ...] | None = None
     """The names logged as ``outliers/<name>``, the mean over blocks (None: all; a channel index has no mean)."""
+    pool: Callable[[dict, dict], dict] | None = None
+    """Two batches' sums -> the sums of both (None: added); for sums that are maxima with what sits at them."""
 
     def __call__(self, *tensors, **kw) -> dict[str, float]:
         """The direct form on one shard: finalise the sums of ``tensors`` (host float64)."""
@@ -185,7 +187,7 @@ _EVALUATIONS: dict[str, Evaluation] = {}
 def register_metric(key: str, names, reads: str, sums: Callable, finalize: Callable, *, label: str,
                     lower_is_better: bool | None = True, mode: str | None = None, when: Callable | None = None,
                     shown: dict | None = None, headline=(), legacy: dict | None = None,
-                    averaged=None, replace: bool = False) -> Metric:
+                    averaged=None, pool: Callable | None = None, replace: bool = False) -> Metric:
     """Adds a metric to the probe, the evaluator, sweep results and ``scripts/analyze.py`` (see :class:`Metric`);
     ``shown`` maps a place to names or ``(name, rank)`` pairs; ``mode`` defaults to ``cheap`` for the residual
     stream and ``full`` otherwise."""
@@ -208,7 +210,7 @@ def register_metric(key: str, names, reads: str, sums: Callable, finalize: Calla
         n = next(n for n in names if n in taken)
         raise UserError(f"metric {key!r}: the name {n!r} is already logged by metric {taken[n]!r}")
     m = Metric(key, names, reads, sums, finalize, label, lower_is_better, mode, when, shown, tuple(headline),
-               dict(legacy or {}), None if averaged is None else tuple(averaged))
+               dict(legacy or {}), None if averaged is None else tuple(averaged), pool)
     _REGISTRY[key] = m
     return m
 
@@ -290,6 +292,17 @@ def add_sums(acc: dict | None, new: dict) -> dict:
     if acc.keys() != new.keys():
         raise ValueError(f"statistics differ in keys: {sorted(acc)} vs {sorted(new)}")
     return {k: add_sums(acc[k], new[k]) if isinstance(new[k], dict) else acc[k] + new[k] for k in acc}
+
+
+def pool_layer(acc: dict | None, new: dict) -> dict:
+    """``{metric key: sums}`` of one layer over two batches: each metric's ``pool``, else added (keys that are not
+    registered metrics, the probe's picture sums, are added)."""
+    if acc is None:
+        return dict(new)
+    if acc.keys() != new.keys():
+        raise ValueError(f"statistics differ in keys: {sorted(acc)} vs {sorted(new)}")
+    pools = {m.key: m.pool for m in registered() if m.pool is not None}
+    return {k: pools[k](acc[k], new[k]) if k in pools else add_sums(acc[k], new[k]) for k in acc}
 
 
 def layer_sums(reads: str, *tensors, metrics: list[Metric] | None = None, **kw) -> dict[str, dict[str, torch.Tensor]]:

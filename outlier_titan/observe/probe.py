@@ -18,9 +18,10 @@ the tensor-parallel dim, then copied to the host once. Under TP the residual str
 contributes it; attention heads are local to a TP rank, so their sums add up over TP.
 
 Metrics reading the residual stream get every block's output and the pre-head input; those reading attention
-weights each Attention's ``prob_hook``, those reading per-head outputs and value states its ``head_hook``, those reading the down projections
-(the super-weight metric) a hook on every block's ``feed_forward.w2`` (full mode). Per-head
-vectors (``head_*`` sums) are laid out at their global head positions before the TP all-reduce.
+weights each Attention's ``prob_hook``, those reading per-head outputs and value states its ``head_hook``, those
+reading the down projections (the super-weight metric) a hook on every block's ``feed_forward.w2`` (full mode: its
+input, output and weight, gathered under TP; the metric max-reduces over DP itself). Per-head vectors (``head_*``
+sums) are laid out at their global head positions before the TP all-reduce.
 
 Scalars (identical on all ranks): ``outliers/layer_<i>/<name>`` per block, ``outliers/head_input/<name>``
 for the pre-head input (residual metrics), and ``outliers/<name>`` = the mean over blocks (the papers' "averaged across
@@ -297,8 +298,11 @@ class OutlierProbe:
         if acc is None:
             return new
         rep = {k: acc["rep"][k] or new["rep"][k] for k in acc["rep"]}
-        return {**metrics.add_sums({k: acc[k] for k in ("res", "head", "attn")},
-                                   {k: new[k] for k in ("res", "head", "attn")}), "rep": rep}
+        if any(acc[sec].keys() != new[sec].keys() for sec in ("res", "attn")):
+            raise ValueError("probe batches measured different layers")
+        out = {sec: {name: metrics.pool_layer(acc[sec][name], layer) for name, layer in new[sec].items()}
+               for sec in ("res", "attn")}
+        return {**out, "head": metrics.pool_layer(acc["head"], new["head"]), "rep": rep}
 
     @staticmethod
     def _groups(mesh):

@@ -109,7 +109,8 @@ def detect(model: nn.Module, tokens: torch.Tensor, threshold: float = SPIKE_THRE
     for name, s in layer_spikes(model, tokens).items():
         if abs(s["in"]) > threshold and abs(s["out"]) > threshold:
             row, col = int(s["out_channel"]), int(s["in_channel"])
-            found.append(SuperWeight(name, row, col, float(projections[name].weight.detach()[row, col]), s["in"], s["out"]))
+            weight = float(projections[name].weight.detach()[row, col])
+            found.append(SuperWeight(name, row, col, weight, s["in"], s["out"]))
     return found
 
 
@@ -118,49 +119,56 @@ def detect(model: nn.Module, tokens: torch.Tensor, threshold: float = SPIKE_THRE
 
 
 def _sums(d) -> dict[str, torch.Tensor]:
-    """One layer's spikes and the weight at their crossing, the same on every rank (reduced with ``global_max``
-    inside), with a count so that the probe's sum over ranks and batches finalises to their mean."""
+    """One layer's spikes (already the maxima over the data-parallel ranks: ``global_max`` inside) and the
+    weight's row at the output spike's channel, the same on every rank; ``n`` counts the ranks, whose sum
+    divides them out in :func:`_finalize`. Batches pool by :func:`_pool`, not by addition."""
     v_in, c_in = spike(d.x_in, d.global_max)
     v_out, c_out = spike(d.x_out, d.global_max)
     w = d.weight.detach().to(F64)
     rows = torch.arange(w.shape[0], device=w.device, dtype=F64)
-    cols = torch.arange(w.shape[1], device=w.device, dtype=F64)
-    value = w[rows == c_out][:, cols == c_in].sum()  # W[row, col] without a host sync
-    flag = ((v_in.abs() > SPIKE_THRESHOLD) & (v_out.abs() > SPIKE_THRESHOLD)).to(F64)
-    s = {"n": d.count(1), "in": v_in, "in_channel": c_in, "out": v_out, "out_channel": c_out, "weight": value,
-         "flag": flag}
-    s.update({f"{k}_sq": s[k].square() for k in ("in_channel", "out_channel")})
-    return s
+    w_row = w[rows == c_out].sum(0)  # W[row, :] without a host sync
+    return {"n": d.count(1), "in": v_in, "in_channel": c_in, "out": v_out, "out_channel": c_out, "w_row": w_row}
+
+
+def _later_wins(a: dict, b: dict, side: str) -> torch.Tensor:
+    """Whether batch ``b``'s spike on ``side`` beats ``a``'s: larger |value|, then smaller channel, then larger
+    value (:func:`spike`'s order, so pooled batches give the spike of their union)."""
+    va, vb, ca, cb = a[side], b[side], a[f"{side}_channel"], b[f"{side}_channel"]
+    return (vb.abs() > va.abs()) | ((vb.abs() == va.abs()) & ((cb < ca) | ((cb == ca) & (vb > va))))
+
+
+def _pool(a: dict, b: dict) -> dict:
+    """Two batches' sums -> those of both: each side's spike from the batch that holds the larger one."""
+    take_in, take_out = _later_wins(a, b, "in"), _later_wins(a, b, "out")
+    out = {"n": a["n"]}
+    out.update({k: torch.where(take_in, b[k], a[k]) for k in ("in", "in_channel")})
+    out.update({k: torch.where(take_out, b[k], a[k]) for k in ("out", "out_channel", "w_row")})
+    return out
 
 
 def _finalize(s: dict[str, torch.Tensor]) -> dict[str, float]:
-    """The layer's values (means over the batches pooled; channels only when every batch agreed on them)."""
+    """The layer's spikes, their channels, ``W[out channel, in channel]`` and the paper's flag."""
     n = float(s["n"])
     if n <= 0:
         return {}
-    out = {"sa_in": float(s["in"]) / n, "sa_out": float(s["out"]) / n, "sw_value": float(s["weight"]) / n,
-           "super_weight": float(s["flag"]) / n}
-    for k, name in (("in_channel", "sa_in_channel"), ("out_channel", "sa_out_channel")):
-        mean = float(s[k]) / n
-        if abs(float(s[f"{k}_sq"]) / n - mean * mean) <= 1e-9 * max(1.0, mean * mean):
-            out[name] = mean
-    return out
+    v_in, v_out = float(s["in"]) / n, float(s["out"]) / n
+    c_in, c_out = round(float(s["in_channel"]) / n), round(float(s["out_channel"]) / n)
+    return {"super_weight": float(abs(v_in) > SPIKE_THRESHOLD and abs(v_out) > SPIKE_THRESHOLD), "sa_in": v_in,
+            "sa_in_channel": float(c_in), "sa_out": v_out, "sa_out_channel": float(c_out),
+            "sw_value": float(s["w_row"][c_in]) / n}
 
 
 SUPER_WEIGHTS = register_metric(
     "super_weight", ("super_weight", "sa_in", "sa_in_channel", "sa_out", "sa_out_channel", "sw_value"),
     "down_proj", _sums, _finalize,
     label="super weight (Yu et al. 2024): down-proj input/output spikes, their channels and W[out, in]",
-    lower_is_better=None, averaged=("super_weight",),
+    lower_is_better=None, averaged=("super_weight",), pool=_pool,
     shown={"report": ("super_weight",), "collect": ("super_weight",)})
 
 
-def zero(model: nn.Module, coordinates: Iterable[tuple[str, int, int]]) -> int:
-    """Sets ``W[row, col]`` of block ``layer``'s down projection to zero for each ``(layer, row, col)``; the count."""
+def zero(model: nn.Module, coordinates: Iterable[tuple[str, int, int]]) -> None:
+    """Sets ``W[row, col]`` of block ``layer``'s down projection to zero for each ``(layer, row, col)``."""
     projections = down_projections(model)
-    n = 0
     with torch.no_grad():
         for layer, row, col in coordinates:
             projections[layer].weight[row, col] = 0.0
-            n += 1
-    return n

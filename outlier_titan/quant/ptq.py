@@ -42,6 +42,9 @@ w4a16_gptq, w4a4kv4_gptq   GPTQ on the int4 per-channel grid            as the _
                            K and V per head
 =========================  ===========================================  ============================  ===============
 
+A scheme may also edit the model instead of (or before) quantising it (``Scheme.edit``, restored afterwards):
+``superweight_zero`` and its two controls zero super weights (Yu et al. 2024; :mod:`outlier_titan.quant.super_weight`).
+
 GPTQ schemes calibrate on the report's calibration batches (one run per calibration seed); rotated schemes draw the
 random signs from the same seed, so both report a spread over seeds.
 
