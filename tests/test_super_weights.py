@@ -166,9 +166,9 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
 
     results = {}
     try:
-        for dp_replicate, dp_shard, tp in layouts:
+        for dp_replicate, dp_shard, tp, flavors in layouts:
             mesh = ParallelDims(dp_replicate, dp_shard, tp, world).build_mesh("cpu")
-            for flavor in FLAVORS:
+            for flavor in flavors:
                 spec, args, model = build(flavor, "meta")
                 if tp > 1:
                     apply_tp_plan(model, mesh["tp"], args, spec.tp_plan)
@@ -186,7 +186,8 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world,layouts", [(2, [(1, 2, 1)]), (4, [(1, 4, 1), (1, 2, 2)])],
+@pytest.mark.parametrize("world,layouts", [(2, [(1, 2, 1, ("gpt2", "llama"))]),
+                                            (4, [(1, 4, 1, ("llama",)), (1, 2, 2, ("gpt2", "llama"))])],
                          ids=["fsdp2", "fsdp4-fsdp2xtp2"])
 def test_tracked_super_weight_equal_at_1_2_4_ranks_and_tp(world, layouts, tmp_path):
     refs = {}
