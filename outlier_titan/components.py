@@ -11,6 +11,6 @@ from outlier_titan.models import attention_variants  # noqa: F401
 from outlier_titan.optim.tiles import settings  # noqa: F401
 from outlier_titan.optim import muon_settings, builder  # noqa: F401
 from outlier_titan.data import sources  # noqa: F401
-from outlier_titan.observe import outliers, sinks, maxlogit, osp_kurtosis, gradients  # noqa: F401
-from outlier_titan.quant import ptq  # noqa: F401
+from outlier_titan.observe import outliers, sinks, maxlogit, osp_kurtosis, gradients, super_weights  # noqa: F401
+from outlier_titan.quant import ptq, super_weight  # noqa: F401
 from outlier_titan import remedies  # noqa: F401

@@ -50,7 +50,7 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
         for name in schemes:
             scheme = get_scheme(name)
             seeds = list(calib_seeds) if scheme.seeded else [None]
-            ppls, head, weights, rotation = [], "", {}, None
+            ppls, head, weights, rotation, edits = [], "", {}, None, []
             for seed in seeds:
                 calib = [t.to(device) for t in calib_batches(seed)] if scheme.calibrate else None
                 bar.set_description(name if seed is None else
@@ -58,9 +58,13 @@ def evaluate_model(model: nn.Module, *, eval_batches: list[tuple[torch.Tensor, t
                 with quantized(model, scheme, calib, weight_cache=weights, seed=seed or 0) as info:
                     ppls.append(perplexity(info["model"], eval_batches, device, bar).ppl)
                 head, rotation = info["head"], info.get("rotation")
+                if "edit" in info:
+                    edits.append(info["edit"])
             entries.append(scheme_entry(name, scheme.description, head, ppls, fp.ppl))
             if rotation is not None:  # the same construction at every seed; the seeds are its random signs
                 entries[-1]["rotation"] = {**rotation, "seeds": seeds}
+            if edits:  # what a model-editing scheme changed, per seed (the super weights it zeroed)
+                entries[-1]["edit"] = edits
     report = {
         "tokens": fp.tokens,
         "seq_len": int(eval_batches[0][0].shape[1]),

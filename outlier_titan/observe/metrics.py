@@ -26,7 +26,7 @@ from outlier_titan.errors import UserError
 
 F64 = torch.float64
 TINY = torch.finfo(F64).tiny
-READS = ("residual", "attention", "heads", "gradient", "logits")
+READS = ("residual", "attention", "heads", "gradient", "logits", "down_proj")
 STREAMS = ("residual", "gradient")  # [B, T, D] inputs read by the cheap probe
 MODES = ("cheap", "full")
 SHOWN = ("report", "collect", "plot", "profile")
@@ -106,7 +106,25 @@ class LogitsInput:
         self.m = m
 
 
+
+
+class DownProjInput:
+    """One block's MLP down projection (``feed_forward.w2``): its whole input ``x_in`` [B, T, F], output ``x_out``
+    [B, T, D] and weight [D, F] (gathered under TP). ``global_max`` reduces a float64 vector element-wise with max
+    over the data-parallel ranks (the probe's; identity on one shard): a metric of the spikes' coordinates needs
+    the batch's maximum before it can read the weight there, which no sum gives."""
+
+    def __init__(self, x_in: torch.Tensor, x_out: torch.Tensor, weight: torch.Tensor,
+                 global_max: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.x_in, self.x_out, self.weight = x_in, x_out, weight
+        self.global_max = global_max or (lambda t: t)
+
+    def count(self, n: float) -> torch.Tensor:
+        return self.x_in.new_full((), float(n), dtype=F64)
+
+
 INPUTS = {"residual": ResidualInput, "attention": AttentionInput, "heads": HeadsInput, "logits": LogitsInput,
+          "down_proj": DownProjInput,
           "gradient": ResidualInput}  # the gradient of the loss w.r.t. the residual stream, same layout
 
 
@@ -137,9 +155,9 @@ class Metric:
     """What it logs, after ``outliers/``, ``outliers/layer_<i>/`` or ``outliers/head_input/``."""
     reads: str
     """The probe input: ``residual`` (:class:`ResidualInput`: every block's output and the pre-head input),
-    ``attention`` (:class:`AttentionInput`), ``heads`` (:class:`HeadsInput`), ``logits`` (:class:`LogitsInput`) or
-    ``gradient`` (a :class:`ResidualInput` of the loss gradient w.r.t. the same tensors as ``residual``; only with
-    ``observe.gradients``, which costs a backward)."""
+    ``attention`` (:class:`AttentionInput`), ``heads`` (:class:`HeadsInput`), ``logits`` (:class:`LogitsInput`),
+    ``down_proj`` (:class:`DownProjInput`) or ``gradient`` (a :class:`ResidualInput` of the loss gradient w.r.t. the
+    same tensors as ``residual``; only with ``observe.gradients``, which costs a backward)."""
     sums: Callable[[Any], dict[str, torch.Tensor]]
     """Input -> float64 sums of one layer. A ``head_*`` key is an [H] vector over this rank's heads; the probe lays
     it out at the global head positions under tensor parallelism. A ``max_*`` key (``max_head_*`` per head) is a
@@ -164,6 +182,10 @@ class Metric:
     across_layers: str = "mean"
     """``outliers/<name>`` over the blocks: their ``mean`` (the papers' "averaged across layers") or ``max``
     (MaxLogit: the model's largest)."""
+    averaged: tuple[str, ...] | None = None
+    """The names logged as ``outliers/<name>``, the mean over blocks (None: all; a channel index has no mean)."""
+    pool: Callable[[dict, dict], dict] | None = None
+    """Two batches' sums -> the sums of both (None: added); for sums that are maxima with what sits at them."""
 
     def __call__(self, *tensors, **kw) -> dict[str, float]:
         """The direct form on one shard: finalise the sums of ``tensors`` (host float64)."""
@@ -195,7 +217,8 @@ _EVALUATIONS: dict[str, Evaluation] = {}
 def register_metric(key: str, names, reads: str, sums: Callable, finalize: Callable, *, label: str,
                     lower_is_better: bool | None = True, mode: str | None = None, when: Callable | None = None,
                     shown: dict | None = None, headline=(), legacy: dict | None = None,
-                    across_layers: str = "mean", replace: bool = False) -> Metric:
+                    across_layers: str = "mean", averaged=None, pool: Callable | None = None,
+                    replace: bool = False) -> Metric:
     """Adds a metric to the probe, the evaluator, sweep results and ``scripts/analyze.py`` (see :class:`Metric`);
     ``shown`` maps a place to names or ``(name, rank)`` pairs; ``mode`` defaults to ``cheap`` for the residual
     stream and ``full`` otherwise."""
@@ -220,7 +243,7 @@ def register_metric(key: str, names, reads: str, sums: Callable, finalize: Calla
         n = next(n for n in names if n in taken)
         raise UserError(f"metric {key!r}: the name {n!r} is already logged by metric {taken[n]!r}")
     m = Metric(key, names, reads, sums, finalize, label, lower_is_better, mode, when, shown, tuple(headline),
-               dict(legacy or {}), across_layers)
+               dict(legacy or {}), across_layers, None if averaged is None else tuple(averaged), pool)
     _REGISTRY[key] = m
     return m
 
@@ -309,6 +332,17 @@ def add_sums(acc: dict | None, new: dict) -> dict:
             torch.maximum(acc[k], new[k]) if is_max(k) else acc[k] + new[k] for k in acc}
 
 
+def pool_layer(acc: dict | None, new: dict) -> dict:
+    """``{metric key: sums}`` of one layer over two batches: each metric's ``pool``, else added (keys that are not
+    registered metrics, the probe's picture sums, are added)."""
+    if acc is None:
+        return dict(new)
+    if acc.keys() != new.keys():
+        raise ValueError(f"statistics differ in keys: {sorted(acc)} vs {sorted(new)}")
+    pools = {m.key: m.pool for m in registered() if m.pool is not None}
+    return {k: pools[k](acc[k], new[k]) if k in pools else add_sums(acc[k], new[k]) for k in acc}
+
+
 def layer_sums(reads: str, *tensors, metrics: list[Metric] | None = None, **kw) -> dict[str, dict[str, torch.Tensor]]:
     """``{metric key: sums}`` of one layer's input (``metrics``: those reading it; None: every registered one)."""
     inp = INPUTS[reads](*tensors, **kw)
@@ -338,6 +372,7 @@ def layer_mean(per_layer: list[dict[str, float]]) -> dict[str, float]:
     keys = set(per_layer[0])
     for m in per_layer[1:]:
         keys &= set(m)
+    keys -= {n for m in registered() if m.averaged is not None for n in m.names if n not in m.averaged}
     maxed = {n for m in registered() if m.across_layers == "max" for n in m.names}
     return {k: max(m[k] for m in per_layer) if k in maxed else sum(m[k] for m in per_layer) / len(per_layer)
             for k in sorted(keys)}

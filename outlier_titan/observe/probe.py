@@ -19,9 +19,11 @@ contributes it; attention heads are local to a TP rank, so their sums add up ove
 
 Metrics reading the residual stream get every block's output and the pre-head input; those reading attention
 weights each Attention's ``prob_hook``, those reading per-head outputs and value states its ``head_hook``, those
-reading the MaxLogit its ``logit_hook`` (a training remedy's hook there is put back afterwards). Sums whose key
-starts with ``max_`` are maxima and are reduced by max. Per-head
-vectors (``head_*`` sums) are laid out at their global head positions before the TP all-reduce.
+reading the MaxLogit its ``logit_hook`` (a training remedy's hook there is put back afterwards); reading the down
+projections (the super-weight metric) a hook on every block's ``feed_forward.w2`` (full mode: its input, output and
+weight, gathered under TP; the metric max-reduces over DP itself). Sums whose key starts with ``max_`` are maxima
+and are reduced by max. Per-head vectors (``head_*`` sums) are laid out at their global head positions before the
+TP all-reduce.
 
 Scalars (identical on all ranks): ``outliers/layer_<i>/<name>`` per block, ``outliers/head_input/<name>``
 for the pre-head input (residual metrics), and ``outliers/<name>`` = the mean over blocks (the papers' "averaged across
@@ -56,6 +58,7 @@ from outlier_titan.observe.metrics import F64
 from outlier_titan.observe import outliers as om
 from outlier_titan.observe import panel
 from outlier_titan.observe.pictures import attention_map_image, hidden_magnitude_image, sinks_massive_image
+from outlier_titan.observe.super_weights import down_projections
 
 PREFIX = "outliers"
 
@@ -129,7 +132,16 @@ class OutlierProbe:
 
         def block_hook(name):
             def hook(_module, _inputs, output):
-                res[name] = residual(stream(name, output[0] if isinstance(output, (tuple, list)) else output))
+                res.setdefault(name, {}).update(
+                    residual(stream(name, output[0] if isinstance(output, (tuple, list)) else output)))
+            return torch.compiler.disable(hook)
+
+        def down_hook(name):
+            def hook(module, inputs, output):
+                x_in, x_out, w, r = self._down_proj(module, inputs[0], output, seq_len)
+                rep["res"] |= r
+                inp = metrics.DownProjInput(x_in, x_out, w, self._global_max)
+                res.setdefault(name, {}).update({m.key: m.sums(inp) for m in self.metrics["down_proj"]})
             return torch.compiler.disable(hook)
 
         def head_hook(_module, _inputs, output):
@@ -172,6 +184,8 @@ class OutlierProbe:
         handles.append(self.model.norm.register_forward_hook(head_hook))
         if streams is not None:
             handles.append(self.model.tok_embeddings.register_forward_hook(embed_hook))
+        if self.metrics["down_proj"]:
+            handles += [lin.register_forward_hook(down_hook(n)) for n, lin in down_projections(self.model).items()]
         hooked: list[Attention] = []
         saved: dict[Attention, object] = {}
         try:
@@ -291,6 +305,27 @@ class OutlierProbe:
                                    shape=torch.Size((b, seq_len, d)), stride=(seq_len * d, d, 1)).full_tensor()
         return x, True
 
+    def _down_proj(self, module: nn.Linear, x_in, x_out, seq_len: int):
+        """A down projection's whole input [B, T, F], output [B, T, D] and weight [D, F] of this DP rank, and
+        whether they are the same on every TP rank. Under TP (row-wise: the input sharded on its channels, the
+        output on the sequence) all three are gathered."""
+        x_out, rep = self._full_residual(x_out, seq_len)
+        if isinstance(x_in, DTensor):
+            x_in = x_in.full_tensor()
+        w = module.weight.full_tensor() if isinstance(module.weight, DTensor) else module.weight
+        if x_in.shape[-1] != w.shape[1]:
+            raise ValueError(f"probe: the down projection's input has {x_in.shape[-1]} of its {w.shape[1]} "
+                             "channels (a TP plan whose w2 input is not a DTensor); the super-weight metric "
+                             "needs them all")
+        return x_in, x_out, w, rep
+
+    def _global_max(self, t: torch.Tensor) -> torch.Tensor:
+        """Element-wise max over the data-parallel ranks (after the TP gather the TP ranks agree)."""
+        t = t.clone()
+        for group in self._dp_groups:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t
+
     def _probs(self, probs: torch.Tensor, module: Attention) -> tuple[torch.Tensor, bool]:
         """Attention probabilities, and whether they are the same on every TP rank (all heads everywhere)
         rather than this TP rank's local heads."""
@@ -340,8 +375,11 @@ class OutlierProbe:
         if acc is None:
             return new
         rep = {k: acc["rep"][k] or new["rep"][k] for k in acc["rep"]}
-        return {**metrics.add_sums({k: acc[k] for k in ("res", "head", "attn")},
-                                   {k: new[k] for k in ("res", "head", "attn")}), "rep": rep}
+        if any(acc[sec].keys() != new[sec].keys() for sec in ("res", "attn")):
+            raise ValueError("probe batches measured different layers")
+        out = {sec: {name: metrics.pool_layer(acc[sec][name], layer) for name, layer in new[sec].items()}
+               for sec in ("res", "attn")}
+        return {**out, "head": metrics.pool_layer(acc["head"], new["head"]), "rep": rep}
 
     @staticmethod
     def _groups(mesh):

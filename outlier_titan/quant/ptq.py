@@ -42,6 +42,9 @@ w4a16_gptq, w4a4kv4_gptq   GPTQ on the int4 per-channel grid            as the _
                            K and V per head
 =========================  ===========================================  ============================  ===============
 
+A scheme may also edit the model instead of (or before) quantising it (``Scheme.edit``, restored afterwards):
+``superweight_zero`` and its two controls zero super weights (Yu et al. 2024; :mod:`outlier_titan.quant.super_weight`).
+
 GPTQ schemes calibrate on the report's calibration batches (one run per calibration seed); rotated schemes draw the
 random signs from the same seed, so both report a spread over seeds.
 
@@ -83,6 +86,10 @@ class Scheme:
     kv_group: int | None = None  # None: the whole head dim
     rotate: bool = False  # QuaRot rotation first (quant/rotation.py)
     gptq_bits: int | None = None  # GPTQ weights on the symmetric per-channel grid (quant/gptq.py)
+    # --- model edits (quant/super_weight.py) ---
+    edit: Callable[[nn.Module, list[torch.Tensor], int], dict] | None = None
+    """(model, calibration batches, seed) -> a description; changes weights in place before the quantisers (the
+    originals are restored after the ``with`` block)."""
 
     @property
     def seeded(self) -> bool:
@@ -264,7 +271,7 @@ def quantized(model: nn.Module, scheme: str | Scheme, calib_batches: Iterable[to
     quantisation, which for the MSE clip search is the expensive part.
     """
     s = get_scheme(scheme) if isinstance(scheme, str) else scheme
-    if (s.act == "static" or s.gptq_bits) and calib_batches is None:
+    if (s.act == "static" or s.gptq_bits or s.edit) and calib_batches is None:
         raise ValueError(f"scheme {s.name} needs calibration batches")
     work, rot_info = rotate(model, seed) if s.rotate else (model, None)
     head = getattr(model, "output", None)
@@ -275,8 +282,11 @@ def quantized(model: nn.Module, scheme: str | Scheme, calib_batches: Iterable[to
     stream = residual_stream_points(work) if s.act == "static" and s.quantize_residual else {}
     attentions = [m for m in work.modules() if isinstance(m, Attention)] if s.kv_bits else []
     handles = []
+    edited = None
     try:
         with torch.no_grad():
+            if s.edit is not None:
+                edited = s.edit(work, list(calib_batches), seed)
             if s.gptq_bits:
                 gptq_model(work, targets, calib_batches, s.gptq_bits)
             elif s.weight is not None:
@@ -318,6 +328,8 @@ def quantized(model: nn.Module, scheme: str | Scheme, calib_batches: Iterable[to
                 "residual_points": len(stream), "kv_cache": len(attentions), "model": work}
         if rot_info is not None:
             info["rotation"] = rot_info
+        if edited is not None:
+            info["edit"] = edited
         yield info
     finally:
         for h in handles:

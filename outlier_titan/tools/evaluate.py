@@ -19,7 +19,9 @@ Schemes: int8_fine, int8_fine_token, int8_moderate, int8_coarse (Kaul et al. 202
 et al. 2024), w8a8_static (He et al. 2024: calibrated on ``--calib-batches`` training batches per seed, ``--calib-seeds``
 seeds, reported as mean ± std); w8a8_dynamic, w4a16_rtn, w4a4kv4_rtn, w4a16_gptq, w4a4kv4_gptq and their
 ``_hadamard`` (QuaRot-rotated) variants: GPTQ calibrates on the same batches per seed, a rotation draws its
-random signs from the seed. See ``outlier_titan/quant/ptq.py`` and ``docs/quantisation.md``.
+random signs from the seed; superweight_zero, superweight_random, superweight_topk (Yu et al. 2024): no quantisation,
+the detected super weights, or as many random or largest other down-projection weights, zeroed (each seed detects
+on its first calibration batch). See ``outlier_titan/quant/ptq.py`` and ``docs/quantisation.md``.
 
 ``--hf PATH`` evaluates an imported model: a Hugging Face GPT-2 / Llama folder or an export of
 ``outlier-titan-export`` (report default ``PATH/eval/model.json``). Its tokenizer is the folder's
