@@ -299,6 +299,10 @@ register_metric("max_abs", ("max_abs_first", "max_abs_rest", "max_abs_rest_token
                 _max_abs, label="max |activation| (Kaul et al. 2024 §3.4)",
                 shown={k: ("max_abs_first", "max_abs_rest") for k in _report},
                 headline=(Headline("max|act| first/rest", ("max_abs_first", "max_abs_rest"), 1),))
+register_metric("max_abs_all", "max_abs_all", "residual", lambda r: {"max_abs": r.tok_max.amax()},
+                lambda s: {"max_abs_all": float(s["max_abs"])},
+                label="largest |activation| anywhere (TWEO's peak outlier, Liang et al. 2025)",
+                shown={k: ("max_abs_all",) for k in _report}, across_layers="max")
 register_metric("max_median_ratio", "max_median_ratio", "residual",
                 *_per_token_mean("mmr", "max_median_ratio", lambda r: max_median_ratio(r.x)),
                 label="max/median |activation| (He et al. 2024 Eq. 2)",
