@@ -1,6 +1,7 @@
 """The gradient-side probe metrics (``observe.gradients``) under FSDP2 (2 and 4 ranks), HSDP 2 x 2 and FSDP2 x TP2
 (sequence parallel, vocab-sharded loss) equal the 1-rank metrics on the same model and probe batch (gloo, CPU), and no rank
-gets a parameter ``.grad``."""
+gets a parameter ``.grad``; the gradient-sink ratio's batch sums of the attention-norm gradient (a DTensor under
+sequence parallel) included."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
                          ids=["fsdp2", "fsdp4-hsdp2x2-fsdp2xtp2"])
 def test_distributed_gradient_metrics_equal_one_rank(world, layouts, tmp_path):
     refs = {flavor: reference(flavor) for flavor in FLAVORS if any(flavor in layout[3] for layout in layouts)}
-    assert any("grad_sink_share" in k for k in refs["llama"][0])
+    for name in ("grad_sink_share", "grad_sink_rgs", "massive_t0_early"):  # Chen, Lin, Yao 2026's measures too
+        assert f"outliers/layer_0/{name}" in refs["llama"][0] and f"outliers/{name}" in refs["llama"][0], name
     mp.start_processes(_worker, args=(world, free_port(), layouts, str(tmp_path)), nprocs=world, join=True,
                        start_method="spawn")
     per_rank = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
