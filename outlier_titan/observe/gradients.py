@@ -14,8 +14,8 @@ the window, so its gradient is exactly zero; the statistics below read positions
   §3.4) applied to ``g``.
 * **gradient sink** (Chen, Lin, Yao 2026, arXiv 2603.17771, "Attention sinks induce gradient sinks": the
   concentration of the backpropagated gradient on the attention-sink token, the first one under a causal mask).
-  The text we could read (abstract and introduction) names the phenomenon but gives no closed formula, so we log
-  two readings of it, both per sequence and averaged over sequences:
+  Besides the paper's own ratio (below) we log two readings of it on the residual stream, both per sequence and
+  averaged over sequences:
   ``grad_sink_share = ||g_0||^2 / sum_t ||g_t||^2`` (the first token's share of the squared gradient norm; 1/(T-1)
   when the gradient is spread evenly, 1 when it sits on the first token only) and
   ``grad_sink_ratio = ||g_0|| / mean_{t>0} ||g_t||`` (the form of Guo et al. 2024's residual peak, the forward
