@@ -257,7 +257,7 @@ class Observe:
                                  "kurtosis, max |g| and the gradient sink (Chen, Lin, Yao 2026, arXiv 2603.17771): "
                                  "the paper's R_GS (Eq. 3: at each block's pre-attention norm output, the gradient "
                                  "summed over the probe batch, ||G_0|| / mean_{t=1..31} ||G_t||; we read 'aggregated "
-                                 "over the full batch' as that sum, so it grows with observe.batch_size) and our two "
+                                 "over the full batch' as that sum, so it can depend on observe.batch_size) and our two "
                                  "per-sequence readings on the residual stream, the first token's share of ||g||^2 "
                                  "and ||g_0|| / mean_t>0 ||g_t||. Off by default: it costs a backward.")
 
