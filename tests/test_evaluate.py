@@ -138,8 +138,8 @@ def test_evaluate_model_reports_every_scheme():
         assert f"| {name} |" in table
     assert "| full precision |" in table and " ± " in table and "| kurtosis_first |" in table
     assert "; rotation seeds 0, 1." in table
-    assert "| layer | sink_rate | first_token_attention_mass | massive_ratio | max_abs_first | grad_sink_share |" \
-        in table and "| grad_sink_share |" in table
+    assert ("| layer | sink_rate | first_token_attention_mass | massive_ratio | max_abs_first | massive_t0_early | "
+            "grad_sink_share | grad_sink_rgs |") in table and "| grad_sink_share |" in table
 
 
 def test_evaluate_script_user_errors(tmp_path, capsys):

@@ -10,12 +10,13 @@ import torch
 
 from outlier_titan.config.job_config import Observe
 from outlier_titan.eval.report import markdown
-from outlier_titan.observe import gradients, metrics, panel
+from outlier_titan.observe import gradients, metrics, panel, sinks
 from outlier_titan.observe.probe import OutlierProbe
 from outlier_titan.parallel.parallelize import apply_activation_checkpointing
 from tests.small_model import tiny_model
 
 GRAD_NAMES = [n for m in (gradients.GRAD_KURTOSIS, gradients.GRAD_MAX_ABS, gradients.GRAD_SINK) for n in m.names]
+BLOCK_GRAD_NAMES = ["grad_sink_rgs"]  # only the blocks' pre-attention norm outputs (no head input)
 
 
 def tokens(b=3, t=16, seed=0):
@@ -23,11 +24,14 @@ def tokens(b=3, t=16, seed=0):
 
 
 def reference_gradients(model, tok):
-    """dL/dx at every block output and the final norm's output, by autograd in float64 on a second forward,
-    ``L`` the mean next-token cross entropy over positions 0 .. T-2 (targets: the next token of the window)."""
+    """dL/dx at every block output, the final norm's output and (keys ``norm_<i>``) every block's attention_norm
+    output, by autograd in float64 on a second forward, ``L`` the mean next-token cross entropy over positions
+    0 .. T-2 (targets: the next token of the window)."""
     xs = {}
     hooks = [block.register_forward_hook(lambda m, i, o, n=n: xs.__setitem__(n, o))
              for n, block in model.layers.items()]
+    hooks += [block.attention_norm.register_forward_hook(lambda m, i, o, n=n: xs.__setitem__(f"norm_{n}", o))
+              for n, block in model.layers.items()]
     hooks.append(model.norm.register_forward_hook(lambda m, i, o: xs.__setitem__("head", o)))
     logits = model(tok)
     for h in hooks:
@@ -52,6 +56,20 @@ def reference_stats(g):
             "grad_sink_ratio": (norms[:, 0] / norms[:, 1:].mean(-1)).mean().item()}
 
 
+def reference_rgs(g, t_e=31):
+    """Chen, Lin, Yao 2026 Eq. 3 with s = 0: the gradient at the attention input summed over the batch per
+    position, ||G_0|| / ((1/T_e) sum_{t=1..T_e} ||G_t||), T_e cut to the positions with a target (T-2)."""
+    t_e = min(t_e, g.shape[1] - 2)
+    norms = [g[:, t].to(torch.float64).sum(0).norm().item() for t in range(t_e + 1)]
+    return norms[0] / (sum(norms[1:]) / t_e)
+
+
+def reference_t0_early(x):
+    """The rebuttal's t0/early: mean over sequences of ||x_0|| over the mean of ||x_t||, t = 1 .. 15."""
+    n = x.to(torch.float64).norm(dim=-1)
+    return (n[:, 0].mean() / n[:, 1:16].mean()).item()
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model()
@@ -62,12 +80,16 @@ def test_probe_gradient_metrics_equal_float64_autograd_reference(model):
     ref = reference_gradients(model, tok)
     scalars, _ = OutlierProbe(model, Observe(mode="full", gradients=True)).run(tok)
     for name, g in ref.items():
+        if name.startswith("norm_"):
+            got = scalars[f"outliers/layer_{name[5:]}/grad_sink_rgs"]
+            assert got == pytest.approx(reference_rgs(g), rel=1e-9), name
+            continue
         where = "head_input" if name == "head" else f"layer_{name}"
         want = reference_stats(g)
         for k, v in want.items():
             assert scalars[f"outliers/{where}/{k}"] == pytest.approx(v, rel=1e-9, abs=1e-12), (where, k)
     layers = list(model.layers)
-    for k in GRAD_NAMES:
+    for k in GRAD_NAMES + BLOCK_GRAD_NAMES:
         mean = sum(scalars[f"outliers/layer_{n}/{k}"] for n in layers) / len(layers)
         assert scalars[f"outliers/{k}"] == pytest.approx(mean, rel=1e-12)
 
@@ -78,6 +100,56 @@ def test_sink_share_formula_on_a_planted_gradient():
     got = gradients.GRAD_SINK(g)
     assert got["grad_sink_share"] == pytest.approx(36.0 / 52.0)
     assert got["grad_sink_ratio"] == pytest.approx(3.0)
+
+
+def test_rgs_sums_over_the_batch_before_the_norm_and_stops_at_t_e():
+    """Two sequences whose gradients agree at position 0, cancel at 1 and partly cancel at 2 .. 31: the batch sum
+    G_t is taken before the norm (per-sequence norms would give 1 at position 1); positions after T_e = 31 do not
+    count."""
+    g = torch.ones(2, 40, 3, dtype=torch.float64)
+    g[1, 1:] = -1.0
+    g[0, 2:] *= 4.0  # G_0 = 2, G_1 = 0, G_t = 3 (t >= 2) in each of the 3 channels
+    g[:, 32:] = 1e6
+    got = gradients.GRAD_SINK_RGS(g)["grad_sink_rgs"]
+    assert got == pytest.approx(2.0 / (30 * 3.0 / 31), rel=1e-12) and got == pytest.approx(reference_rgs(g), rel=1e-12)
+    short = gradients.GRAD_SINK_RGS(g[:, :5])["grad_sink_rgs"]  # T' = 5 positions: the window is 1 .. 4
+    assert short == pytest.approx(2.0 / (3 * 3.0 / 4), rel=1e-12)
+    assert gradients.GRAD_SINK_RGS(g[:, :1]) == {}
+
+
+def test_massive_t0_early_equals_the_formula_on_the_probe_and_stops_at_15(model):
+    tok = tokens(3, 16)
+    xs = {}
+    hooks = [b.register_forward_hook(lambda m, i, o, n=n: xs.__setitem__(n, o)) for n, b in model.layers.items()]
+    with torch.no_grad():
+        model(tok)
+    for h in hooks:
+        h.remove()
+    scalars, _ = OutlierProbe(model, Observe(mode="cheap")).run(tok)
+    for n, x in xs.items():
+        assert scalars[f"outliers/layer_{n}/massive_t0_early"] == pytest.approx(reference_t0_early(x), rel=1e-9)
+    x = torch.ones(2, 20, 4, dtype=torch.float64)
+    x[:, 0] *= 10.0
+    x[:, 16:] *= 1e6  # positions after 15 are not early
+    assert sinks.T0_EARLY_METRIC(x)["massive_t0_early"] == pytest.approx(10.0)
+
+
+def test_op_blocks_without_a_pre_attention_norm_have_no_rgs():
+    from outlier_titan.config.job_config import Model as ModelConfig
+    from outlier_titan.models.init import Initializer
+    from outlier_titan.models.registry import model_args
+
+    def probe(block):
+        spec, args = model_args(ModelConfig(name="op", flavor="debug", n_layers=2, dim=32, n_heads=2,
+                                            ffn_hidden=64, block=block, input_norm=True), 128, 16)
+        m = spec.build(args)
+        m.init_weights(Initializer(0, "cpu"))
+        return OutlierProbe(m, Observe(mode="cheap", gradients=True)).run(tokens())[0]
+
+    assert not any("grad_sink_rgs" in k for k in probe("op"))  # OP's own block, input LayerNorm included
+    assert not any("grad_sink_rgs" in k for k in probe("post_ln"))
+    pre = probe("pre_rms")
+    assert pre["outliers/layer_0/grad_sink_rgs"] > 0 and "outliers/grad_sink_rgs" in pre
 
 
 def test_no_parameter_grad_is_written_and_existing_grads_are_kept(model):
@@ -99,8 +171,10 @@ def test_option_off_leaves_the_probe_bitwise_unchanged_and_on_only_adds_names(mo
     off, off_images = OutlierProbe(model, Observe(mode="full")).run(tok)
     assert not any("grad_" in k for k in off)
     on, on_images = OutlierProbe(model, Observe(mode="full", gradients=True)).run(tok)
-    assert set(on) - set(off) == {f"outliers/{w}/{k}" for w in [f"layer_{n}" for n in model.layers]
-                                  + ["head_input"] for k in GRAD_NAMES} | {f"outliers/{k}" for k in GRAD_NAMES}
+    layers = [f"layer_{n}" for n in model.layers]
+    assert set(on) - set(off) == ({f"outliers/{w}/{k}" for w in layers + ["head_input"] for k in GRAD_NAMES}
+                                  | {f"outliers/{w}/{k}" for w in layers for k in BLOCK_GRAD_NAMES}
+                                  | {f"outliers/{k}" for k in GRAD_NAMES + BLOCK_GRAD_NAMES})
     for k, v in off.items():  # the forward metrics are the same numbers with the backward on
         assert on[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
     # off twice: bitwise the same, and the same names as before the option existed (no gradient metric active)

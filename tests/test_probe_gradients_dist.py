@@ -1,6 +1,7 @@
 """The gradient-side probe metrics (``observe.gradients``) under FSDP2 (2 and 4 ranks), HSDP 2 x 2 and FSDP2 x TP2
 (sequence parallel, vocab-sharded loss) equal the 1-rank metrics on the same model and probe batch (gloo, CPU), and no rank
-gets a parameter ``.grad``."""
+gets a parameter ``.grad``; the gradient-sink ratio's batch sums of the attention-norm gradient (a DTensor under
+sequence parallel; a local sequence shard in the op spec's Pre-RMSNorm block) included."""
 
 from __future__ import annotations
 
@@ -17,10 +18,22 @@ from outlier_titan.models.init import Initializer
 from outlier_titan.observe.probe import OutlierProbe
 from outlier_titan.parallel.dims import free_port
 from outlier_titan.parallel.tensor_parallel import apply_tp_plan
-from tests.test_probe_dist import BATCH, SEED, assert_same, build, probe_tokens
+from outlier_titan.config.job_config import Model
+from outlier_titan.models.registry import model_args
+from tests.test_probe_dist import BATCH, SEED, SEQ, VOCAB, assert_same, build as build_pre_ln, probe_tokens
 
 FLAVORS = ("llama", "gpt2_s1")
+OP_PRE_RMS = "op_pre_rms"  # the op spec's Pre-RMSNorm block: its norms keep local sequence shards under TP
 OBSERVE = Observe(mode="full", gradients=True, map_tokens=16)
+
+
+def build(flavor: str, device: str = "cpu"):
+    if flavor != OP_PRE_RMS:
+        return build_pre_ln(flavor, device)
+    spec, args = model_args(Model(name="op", flavor="debug", block="pre_rms"), vocab_size=VOCAB, seq_len=SEQ)
+    with torch.device(device):
+        model = spec.build(args)
+    return spec, args, model
 
 
 def reference(flavor: str):
@@ -63,11 +76,14 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world,layouts", [(2, [(1, 2, 1, ("llama",))]),
-                                           (4, [(1, 4, 1, FLAVORS), (2, 2, 1, ("llama",)), (1, 2, 2, FLAVORS)])],
+                                           (4, [(1, 4, 1, FLAVORS), (2, 2, 1, ("llama",)),
+                                                (1, 2, 2, FLAVORS + (OP_PRE_RMS,))])],
                          ids=["fsdp2", "fsdp4-hsdp2x2-fsdp2xtp2"])
 def test_distributed_gradient_metrics_equal_one_rank(world, layouts, tmp_path):
-    refs = {flavor: reference(flavor) for flavor in FLAVORS if any(flavor in layout[3] for layout in layouts)}
-    assert any("grad_sink_share" in k for k in refs["llama"][0])
+    refs = {flavor: reference(flavor) for flavor in FLAVORS + (OP_PRE_RMS,)
+            if any(flavor in layout[3] for layout in layouts)}
+    for name in ("grad_sink_share", "grad_sink_rgs", "massive_t0_early"):  # Chen, Lin, Yao 2026's measures too
+        assert f"outliers/layer_0/{name}" in refs["llama"][0] and f"outliers/{name}" in refs["llama"][0], name
     mp.start_processes(_worker, args=(world, free_port(), layouts, str(tmp_path)), nprocs=world, join=True,
                        start_method="spawn")
     per_rank = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]

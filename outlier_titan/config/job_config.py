@@ -262,10 +262,12 @@ class Observe:
     gradients: bool = opt(False, "Also backpropagate the probe batch's mean next-token cross entropy (targets "
                                  "inside each window) to the residual stream after every block "
                                  "(torch.autograd.grad: parameters' .grad and the optimizer untouched) and log its "
-                                 "kurtosis, max |g| and the gradient sink (Chen, Lin, Yao 2026, arXiv 2603.17771). "
-                                 "The paper's text gives no closed formula for the sink, so we log two readings: "
-                                 "the first token's share of ||g||^2 and ||g_0|| / mean_t>0 ||g_t|| per sequence. "
-                                 "Off by default: it costs a backward.")
+                                 "kurtosis, max |g| and the gradient sink (Chen, Lin, Yao 2026, arXiv 2603.17771): "
+                                 "the paper's R_GS (Eq. 3: at each block's pre-attention norm output, the gradient "
+                                 "summed over the probe batch, ||G_0|| / mean_{t=1..31} ||G_t||; we read 'aggregated "
+                                 "over the full batch' as that sum, so it can depend on observe.batch_size) and our two "
+                                 "per-sequence readings on the residual stream, the first token's share of ||g||^2 "
+                                 "and ||g_0|| / mean_t>0 ||g_t||. Off by default: it costs a backward.")
 
 
 @dataclass

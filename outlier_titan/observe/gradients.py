@@ -14,20 +14,31 @@ the window, so its gradient is exactly zero; the statistics below read positions
   §3.4) applied to ``g``.
 * **gradient sink** (Chen, Lin, Yao 2026, arXiv 2603.17771, "Attention sinks induce gradient sinks": the
   concentration of the backpropagated gradient on the attention-sink token, the first one under a causal mask).
-  The text we could read (abstract and introduction) names the phenomenon but gives no closed formula, so we log
-  two readings of it, both per sequence and averaged over sequences:
+  Besides the paper's own ratio (below) we log two readings of it on the residual stream, both per sequence and
+  averaged over sequences:
   ``grad_sink_share = ||g_0||^2 / sum_t ||g_t||^2`` (the first token's share of the squared gradient norm; 1/(T-1)
   when the gradient is spread evenly, 1 when it sits on the first token only) and
   ``grad_sink_ratio = ||g_0|| / mean_{t>0} ||g_t||`` (the form of Guo et al. 2024's residual peak, the forward
-  counterpart, :func:`outlier_titan.observe.sinks.first_norm_ratio`).
+  counterpart, :func:`outlier_titan.observe.sinks.first_norm_ratio`). These two are our readings.
+* **the paper's gradient-sink ratio** ``grad_sink_rgs`` = R_GS^l(0) (Chen, Lin, Yao 2026 Eq. 3, read in the
+  authors' LaTeX source): ``||G_0|| / ((1/T_e) sum_{t=1..T_e} ||G_t||)``, T_e = 31, where ``G_t`` is the
+  gradient w.r.t. the *post-norm attention input* of position t (the block's pre-attention norm output, input
+  ``attention_input_gradient``) **summed over the sequences of the probe batch** before the norm ("aggregated over
+  the full batch exactly as in one optimization step and then converted to token-wise l2 norms"; the authors'
+  own comment in the source says this gradient is *not* a per-sequence statistic averaged over batches). With
+  fewer than T_e + 2 positions the early window is positions 1 .. T-2. The sum makes the ratio depend on the batch
+  size (incoherent per-sequence gradients partly cancel, a coherent sink gradient does not): compare runs at one
+  ``observe.batch_size``. The paper reports the median (and IQR) over layers; the probe logs each layer and the
+  registry's mean over layers. Blocks without a pre-attention norm (OP's own block, Post-LN) have no value.
 """
 
 from __future__ import annotations
 
 from outlier_titan.observe import outliers, sinks
-from outlier_titan.observe.metrics import TINY, Headline, register_metric
+from outlier_titan.observe.metrics import F64, TINY, Headline, register_metric
 
 PREFIX = "grad_"
+GS_EARLY = 31  # Chen, Lin, Yao 2026's T_e: the sink token 0 against the mean over positions 1 .. T_e
 
 
 def _prefixed(finalize):
@@ -53,6 +64,18 @@ def _sink(s):
     return out
 
 
+def _rgs_sums(r):
+    k = min(GS_EARLY + 1, r.x.shape[1])  # positions 0 .. T_e (those with a target)
+    return {"n_seq": r.count(r.x.shape[0]), "early_sum": r.x[:, :k].to(F64).sum(0)}  # [k, D]: G_t, summed
+
+
+def _rgs(s):
+    norms = s["early_sum"].norm(dim=-1)  # ||G_t||, t = 0 .. T_e
+    if float(s["n_seq"]) <= 0 or norms.numel() < 2:
+        return {}
+    return {"grad_sink_rgs": float(sinks.first_norm_ratio(norms))}
+
+
 _report = ("report", "collect", "plot")
 GRAD_KURTOSIS = register_metric(
     "grad_kurtosis", ("grad_kurtosis_first", "grad_kurtosis_rest", "grad_kurtosis_all"), "gradient",
@@ -69,3 +92,7 @@ GRAD_SINK = register_metric(
     label="gradient sink: first token's share of ||dL/dx||^2 (Chen, Lin, Yao 2026)",
     shown={k: ("grad_sink_share", "grad_sink_ratio") for k in _report},
     headline=(Headline("grad sink", ("grad_sink_share",), 4),))
+GRAD_SINK_RGS = register_metric(
+    "grad_sink_rgs", "grad_sink_rgs", "attention_input_gradient", _rgs_sums, _rgs,
+    label="gradient-sink ratio R_GS(0) at the post-norm attention input (Chen, Lin, Yao 2026 Eq. 3)",
+    shown={k: ("grad_sink_rgs",) for k in _report})

@@ -26,8 +26,9 @@ from outlier_titan.errors import UserError
 
 F64 = torch.float64
 TINY = torch.finfo(F64).tiny
-READS = ("residual", "attention", "heads", "gradient", "logits", "down_proj")
-STREAMS = ("residual", "gradient")  # [B, T, D] inputs read by the cheap probe
+READS = ("residual", "attention", "heads", "gradient", "attention_input_gradient", "logits", "down_proj")
+STREAMS = ("residual", "gradient", "attention_input_gradient")  # [B, T, D] inputs read by the cheap probe
+GRADIENTS = ("gradient", "attention_input_gradient")  # inputs that exist only with ``observe.gradients``
 MODES = ("cheap", "full")
 SHOWN = ("report", "collect", "plot", "profile")
 
@@ -125,7 +126,8 @@ class DownProjInput:
 
 INPUTS = {"residual": ResidualInput, "attention": AttentionInput, "heads": HeadsInput, "logits": LogitsInput,
           "down_proj": DownProjInput,
-          "gradient": ResidualInput}  # the gradient of the loss w.r.t. the residual stream, same layout
+          # the gradient of the loss w.r.t. the residual stream, and w.r.t. each block's pre-attention norm output
+          "gradient": ResidualInput, "attention_input_gradient": ResidualInput}
 
 
 def is_max(key: str) -> bool:
@@ -156,8 +158,10 @@ class Metric:
     reads: str
     """The probe input: ``residual`` (:class:`ResidualInput`: every block's output and the pre-head input),
     ``attention`` (:class:`AttentionInput`), ``heads`` (:class:`HeadsInput`), ``logits`` (:class:`LogitsInput`),
-    ``down_proj`` (:class:`DownProjInput`) or ``gradient`` (a :class:`ResidualInput` of the loss gradient w.r.t. the
-    same tensors as ``residual``; only with ``observe.gradients``, which costs a backward)."""
+    ``down_proj`` (:class:`DownProjInput`), ``gradient`` (a :class:`ResidualInput` of the loss gradient w.r.t. the
+    same tensors as ``residual``) or ``attention_input_gradient`` (the loss gradient w.r.t. each block's
+    pre-attention norm output, what wq / wk / wv read; blocks without a pre-attention norm have none); the gradients
+    only with ``observe.gradients``, which costs a backward."""
     sums: Callable[[Any], dict[str, torch.Tensor]]
     """Input -> float64 sums of one layer. A ``head_*`` key is an [H] vector over this rank's heads; the probe lays
     it out at the global head positions under tensor parallelism. A ``max_*`` key (``max_head_*`` per head) is a
@@ -278,9 +282,9 @@ def get_metric(key: str) -> Metric:
 
 
 def active(cfg, reads: str) -> list[Metric]:
-    """The metrics a probe with ``[observe]`` config ``cfg`` computes from ``reads`` (``gradient`` ones only with
+    """The metrics a probe with ``[observe]`` config ``cfg`` computes from ``reads`` (gradient ones only with
     ``observe.gradients``)."""
-    if reads == "gradient" and not getattr(cfg, "gradients", False):
+    if reads in GRADIENTS and not getattr(cfg, "gradients", False):
         return []
     return [m for m in registered() if m.reads == reads and (m.mode == "cheap" or cfg.mode == "full")
             and (m.when is None or m.when(cfg))]

@@ -1,7 +1,7 @@
 """The sinks-vs-massive-activations panel: per layer, side by side, the attention-sink metrics (Gu et al. 2024's
 sink rate, Kaul et al. 2024's first-token attention mass), the massive activations (Sun et al. 2024's max/median
-ratio, Kaul et al. 2024's first-token max |x|) and the gradient sink (Chen, Lin, Yao 2026, arXiv 2603.17771) that
-is proposed to link them. It reads the probe's finalised per-layer scalars (nothing is computed twice): the
+ratio, Kaul et al. 2024's first-token max |x|, Chen, Lin, Yao 2026's t0/early) and the gradient sink (Chen, Lin,
+Yao 2026, arXiv 2603.17771) that is proposed to link them. It reads the probe's finalised per-layer scalars (nothing is computed twice): the
 probe's TensorBoard picture (:func:`outlier_titan.observe.pictures.sinks_massive_image`) and the evaluation
 report's per-layer table both come from :func:`panel_rows`."""
 
@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import re
 
-PANEL = ("sink_rate", "first_token_attention_mass", "massive_ratio", "max_abs_first", "grad_sink_share")
-"""The columns, in order: two attention-sink measures, two massive-activation measures, the gradient sink."""
+PANEL = ("sink_rate", "first_token_attention_mass", "massive_ratio", "max_abs_first", "massive_t0_early",
+         "grad_sink_share", "grad_sink_rgs")
+"""The columns, in order: two attention-sink measures, three massive-activation measures (the last Chen, Lin, Yao
+2026's t0/early), the gradient sink (our share reading, then the paper's R_GS)."""
 SHARES = ("sink_rate", "first_token_attention_mass", "grad_sink_share")
 """The columns that are shares in [0, 1] (one axis); the others are magnitudes (a log axis)."""
 _LAYER = re.compile(r"^outliers/layer_(.+)/(.+)$")

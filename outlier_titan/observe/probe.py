@@ -33,7 +33,9 @@ uint8 pictures (:mod:`outlier_titan.observe.pictures`).
 
 With ``observe.gradients`` the forward keeps autograd on, the hooks also keep the residual tensors, and one
 ``torch.autograd.grad`` of the probe loss gives their gradients, which the ``gradient`` metrics reduce like the
-residual stream (gathered under TP, counted on TP rank 0; :mod:`outlier_titan.observe.gradients`).
+residual stream (gathered under TP, counted on TP rank 0; :mod:`outlier_titan.observe.gradients`). The same
+backward gives the gradient of each block's pre-attention norm output (``pre_attention_norm``: what wq / wk / wv
+read), the ``attention_input_gradient`` input of Chen, Lin, Yao 2026's gradient-sink ratio.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from outlier_titan.observe.pictures import attention_map_image, hidden_magnitude
 from outlier_titan.observe.super_weights import down_projections
 
 PREFIX = "outliers"
+ATTENTION_INPUT = "attention_input_gradient"  # the probe input of the blocks' pre-attention norm outputs' gradient
 
 
 class OutlierProbe:
@@ -99,10 +102,12 @@ class OutlierProbe:
         float64 sums: {"res": {layer: {metric: sums}}, "head": {metric: sums}, "attn": {layer: {metric: sums}},
         "rep": {"res": bool, "attn": bool}} (rep: replicated over TP; "attn" holds the attention and per-head
         metrics; "res" and "head" also the gradient metrics; keys starting with "_" are the pictures' sums)."""
-        if not self.metrics["gradient"]:
+        if not any(self.metrics[reads] for reads in metrics.GRADIENTS):
             with torch.no_grad():
                 return self._local_sums(tokens, None)
-        streams: dict = {}  # layer name (None: the pre-head input) -> the tensor the rest of the forward reads
+        # layer name (None: the pre-head input; (ATTENTION_INPUT, name): the block's pre-attention norm output)
+        # -> the tensor the rest of the forward reads
+        streams: dict = {}
         with torch.enable_grad():
             return self._local_sums(tokens, streams)
 
@@ -142,6 +147,11 @@ class OutlierProbe:
                 rep["res"] |= r
                 inp = metrics.DownProjInput(x_in, x_out, w, self._global_max)
                 res.setdefault(name, {}).update({m.key: m.sums(inp) for m in self.metrics["down_proj"]})
+            return torch.compiler.disable(hook)
+
+        def norm_hook(name):
+            def hook(_module, _inputs, output):  # keeps the tensor the attention reads; no sums before the backward
+                streams[(ATTENTION_INPUT, name)] = output
             return torch.compiler.disable(hook)
 
         def head_hook(_module, _inputs, output):
@@ -184,6 +194,8 @@ class OutlierProbe:
         handles.append(self.model.norm.register_forward_hook(head_hook))
         if streams is not None:
             handles.append(self.model.tok_embeddings.register_forward_hook(embed_hook))
+            if self.metrics[ATTENTION_INPUT]:
+                handles += [norm.register_forward_hook(norm_hook(n)) for n, norm in self._pre_attention_norms()]
         if self.metrics["down_proj"]:
             handles += [lin.register_forward_hook(down_hook(n)) for n, lin in down_projections(self.model).items()]
         hooked: list[Attention] = []
@@ -207,11 +219,12 @@ class OutlierProbe:
                 m.head_hook = None
                 m.logit_hook = saved.get(m)
         if streams is not None:
-            for name, g in self._stream_gradients(logits, tokens, streams).items():
+            for key, g in self._stream_gradients(logits, tokens, streams).items():
+                reads, name = key if isinstance(key, tuple) else ("gradient", key)
                 x, r = self._full_residual(g, seq_len)
                 rep["res"] |= r
                 inp = metrics.ResidualInput(x[:, :-1])  # the last position has no target: its gradient is 0
-                (head if name is None else res[name]).update({m.key: m.sums(inp) for m in self.metrics["gradient"]})
+                (head if name is None else res[name]).update({m.key: m.sums(inp) for m in self.metrics[reads]})
         return {"res": res, "head": head, "attn": attn, "rep": rep}
 
     def _stream_gradients(self, logits: torch.Tensor, tokens: torch.Tensor, streams: dict) -> dict:
@@ -334,6 +347,12 @@ class OutlierProbe:
         if self._tp_mesh is None:
             return probs, False
         return probs, probs.shape[1] == self._n_heads(module)
+
+    def _pre_attention_norms(self) -> list[tuple[str, nn.Module]]:
+        """(layer name, the norm whose output the block's attention reads) for the blocks that have one (a spec's
+        block says so by ``pre_attention_norm``; OP's own block and Post-LN have none)."""
+        norms = [(n, getattr(block, "pre_attention_norm", None)) for n, block in self.model.layers.items()]
+        return [(n, m) for n, m in norms if m is not None]
 
     @staticmethod
     def _n_heads(module: Attention) -> int:

@@ -16,6 +16,11 @@ ReLU / softpick attention):
 * **residual peak** (Guo et al. 2024, arXiv 2410.13835): per sequence ``||x_0|| / mean_{j>0} ||x_j||`` of the
   residual stream; **value drain**: per sequence and head ``||v_0|| / mean_{j>0} ||v_j||`` of the value
   states; means.
+* **t0/early** (Chen, Lin, Yao 2026, arXiv 2603.17771, their rebuttal's summary of massive activations):
+  ``massive_t0_early`` = the token-0 norm of the block output ``x_out`` over the mean norm of the early
+  positions 1 .. 15, each position's norm first averaged over the sequences (the paper's token-wise statistics
+  are "averaged over evaluation batches"); per layer and the mean over layers (the rebuttal gives the mean and
+  the max over layers).
 * **dormant heads** (after Guo et al.): a head is dormant when its mean output norm on the non-first tokens
   (after any gate, before ``wo``) is below ``DORMANT_TAU`` = 0.1 times the mean of that quantity over the
   layer's heads; ``dormant_head_share`` is the share of such heads.
@@ -28,6 +33,7 @@ import torch
 from outlier_titan.observe.metrics import F64, TINY, register_metric
 
 SINK_EPS = 0.3  # Gu et al. 2024's threshold of the sink rate
+T0_EARLY = 15  # Chen, Lin, Yao 2026's early positions 1 .. 15 of t0/early
 MASSIVE_FACTOR = 100.0  # Sun et al. 2024: "massive" = more than this times the median magnitude
 DORMANT_TAU = 0.1  # a head is dormant below this share of its layer's mean head-output norm
 
@@ -93,6 +99,20 @@ def _peak(s):
     return {"residual_peak": float(s["peak"]) / float(s["n_seq"])} if "peak" in s and float(s["n_seq"]) > 0 else {}
 
 
+def _t0_early_sums(r):
+    norms = r.norms2.sqrt()  # [B, T]
+    early = norms[:, 1:T0_EARLY + 1]
+    return {"n_seq": r.count(norms.shape[0]), "t0": norms[:, 0].sum(), "n_early": r.count(early.numel()),
+            "early": early.sum()}
+
+
+def _t0_early(s):
+    if float(s["n_seq"]) <= 0 or float(s["n_early"]) <= 0:
+        return {}
+    mean_early = float(s["early"]) / float(s["n_early"])
+    return {"massive_t0_early": float(s["t0"]) / float(s["n_seq"]) / max(mean_early, TINY)}
+
+
 def _drain_sums(hd):
     b, h, t, _ = hd.v.shape
     vn = hd.v.to(F64).norm(dim=-1)
@@ -128,6 +148,10 @@ MASSIVE = register_metric("massive", ("massive_ratio", "massive_count"), "residu
                           shown={k: ("massive_ratio", "massive_count") for k in _shown})
 RESIDUAL_PEAK = register_metric("residual_peak", "residual_peak", "residual", _peak_sums, _peak,
                                 label="residual peak (Guo et al. 2024)", shown={k: ("residual_peak",) for k in _shown})
+T0_EARLY_METRIC = register_metric(
+    "massive_t0_early", "massive_t0_early", "residual", _t0_early_sums, _t0_early,
+    label="t0/early: token-0 norm of x_out over the mean of positions 1-15 (Chen, Lin, Yao 2026)",
+    shown={k: ("massive_t0_early",) for k in _shown})
 register_metric("value_drain", "value_drain", "heads", _drain_sums, _drain, label="value drain (Guo et al. 2024)",
                 lower_is_better=None, shown={k: ("value_drain",) for k in _shown})
 register_metric("dormant_heads", "dormant_head_share", "heads", _dormant_sums, _dormant,

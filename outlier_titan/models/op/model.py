@@ -211,6 +211,13 @@ class OPBlock(nn.Module):
         self.mlp_input_scale = (None if args.mlp_alpha == "none"
                                 else Scale("fixed" if args.mlp_alpha == "analytic" else "scalar", alpha, args.dim))
 
+    @property
+    def pre_attention_norm(self) -> nn.Module | None:
+        """The norm whose output the attention reads (the Pre-Norm blocks); None for OP's own block, whose
+        attention reads the residual stream (the optional input LayerNorm of block 0 is not a per-block pre-norm:
+        that block has none either), and for Post-LN, whose norm follows the attention."""
+        return None if self.post or self.ffn_norm is None else self.attention_norm
+
     @staticmethod
     def _maybe(m: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
         return x if m is None else m(x)

@@ -136,6 +136,11 @@ class Block(nn.Module):
         self.ffn_norm = build_norm(args.norm, args.dim, args.norm_eps, args.bias)
         self.feed_forward = MLP(args.dim, args.ffn_hidden, args.mlp, args.bias)
 
+    @property
+    def pre_attention_norm(self) -> nn.Module:
+        """The norm whose output the attention reads (the probe's gradient-sink input)."""
+        return self.attention_norm
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
         return x + self.feed_forward(self.ffn_norm(x))
