@@ -95,4 +95,4 @@ GRAD_SINK = register_metric(
 GRAD_SINK_RGS = register_metric(
     "grad_sink_rgs", "grad_sink_rgs", "attention_input_gradient", _rgs_sums, _rgs,
     label="gradient-sink ratio R_GS(0) at the post-norm attention input (Chen, Lin, Yao 2026 Eq. 3)",
-    shown={k: ("grad_sink_rgs",) for k in _report})
+    shown={k: ("grad_sink_rgs",) for k in _report}, across_layers="median")  # the paper's median over layers

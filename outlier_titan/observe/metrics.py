@@ -16,6 +16,8 @@ evaluator's whole-model measures, which run their own forward passes instead of 
 
 from __future__ import annotations
 
+import statistics
+
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, NamedTuple
@@ -26,6 +28,8 @@ from outlier_titan.errors import UserError
 
 F64 = torch.float64
 TINY = torch.finfo(F64).tiny
+ACROSS_LAYERS = {"mean": lambda v: sum(v) / len(v), "max": max, "median": statistics.median}
+"""How ``outliers/<name>`` combines the blocks' values (a metric's ``across_layers``)."""
 READS = ("residual", "attention", "heads", "gradient", "attention_input_gradient", "logits", "down_proj")
 STREAMS = ("residual", "gradient", "attention_input_gradient")  # [B, T, D] inputs read by the cheap probe
 GRADIENTS = ("gradient", "attention_input_gradient")  # inputs that exist only with ``observe.gradients``
@@ -184,8 +188,8 @@ class Metric:
     legacy: dict[str, str] = field(default_factory=dict)
     """Old logged name -> the name its definition has now (runs that logged only the old name)."""
     across_layers: str = "mean"
-    """``outliers/<name>`` over the blocks: their ``mean`` (the papers' "averaged across layers") or ``max``
-    (MaxLogit: the model's largest)."""
+    """``outliers/<name>`` over the blocks: their ``mean`` (the papers' "averaged across layers"), ``max``
+    (MaxLogit: the model's largest) or ``median`` (Chen et al. 2026's R_GS)."""
     averaged: tuple[str, ...] | None = None
     """The names logged as ``outliers/<name>``, the mean over blocks (None: all; a channel index has no mean)."""
     pool: Callable[[dict, dict], dict] | None = None
@@ -238,8 +242,9 @@ def register_metric(key: str, names, reads: str, sums: Callable, finalize: Calla
         [n for h in headline for n in h.names if n not in names]
     if unknown:
         raise UserError(f"metric {key!r}: unknown place or name {unknown[0]!r} (places: {', '.join(SHOWN)})")
-    if across_layers not in ("mean", "max"):
-        raise UserError(f"metric {key!r}: across_layers must be 'mean' or 'max', not {across_layers!r}")
+    if across_layers not in ACROSS_LAYERS:
+        raise UserError(f"metric {key!r}: across_layers must be one of {', '.join(ACROSS_LAYERS)}, not "
+                        f"{across_layers!r}")
     if key in _REGISTRY and not replace:
         raise UserError(f"metric {key!r} is already registered; pick another name or pass replace=True")
     taken = {n: m.key for m in _REGISTRY.values() if m.key != key for n in m.names}
@@ -369,14 +374,13 @@ def measure(reads: str, *tensors, **kw) -> dict[str, float]:
 
 
 def layer_mean(per_layer: list[dict[str, float]]) -> dict[str, float]:
-    """Mean over layers of each metric present in every layer (the maximum for a metric registered with
-    ``across_layers="max"``)."""
+    """Mean over layers of each metric present in every layer (its maximum or median for a metric registered with
+    ``across_layers="max"`` / ``"median"``)."""
     if not per_layer:
         return {}
     keys = set(per_layer[0])
     for m in per_layer[1:]:
         keys &= set(m)
     keys -= {n for m in registered() if m.averaged is not None for n in m.names if n not in m.averaged}
-    maxed = {n for m in registered() if m.across_layers == "max" for n in m.names}
-    return {k: max(m[k] for m in per_layer) if k in maxed else sum(m[k] for m in per_layer) / len(per_layer)
-            for k in sorted(keys)}
+    how = {n: m.across_layers for m in registered() for n in m.names}
+    return {k: ACROSS_LAYERS[how.get(k, "mean")]([m[k] for m in per_layer]) for k in sorted(keys)}

@@ -51,12 +51,16 @@ SINK_PRESENT = Threshold(0.3, "ours, after Kaul et al. 2024, Table 5 row 2 (firs
                               "their Adam + softmax + LayerNorm ablation model)")
 SINK_REMOVED = Threshold(0.05, "ours: the papers' remedies end at 0.019-0.024 (Kaul et al. 2024, Table 2 rows 6 "
                                "and 8) and 0 % (Zuhri et al. 2025; Gu et al. 2024)")
+MASSIVE_EARLY = Threshold(2.0, "ours: a first token whose block output is no larger than the early tokens' gives "
+                               "t0/early near 1; Chen et al. 2026's 0.3B baseline has 11.1 (OpenReview response), "
+                               "so above 2 the first token stands out")
 SPEEDUP = Threshold(1.0, "the claim's direction (Franke et al. 2025 report 1.4 on average, §5.2); ours asks only "
                          "for a speed-up")
 
 EFFECT_FLOORS = {"kurtosis_rest": GAUSSIAN_KURTOSIS, "kurtosis_first": GAUSSIAN_KURTOSIS,
                  "kurtosis_neuron_rms": GAUSSIAN_KURTOSIS, "peak_kurtosis_neuron_rms": GAUSSIAN_KURTOSIS,
-                 "peak_kurtosis_rest": GAUSSIAN_KURTOSIS, "osp_kurtosis": GAUSSIAN_EXCESS_KURTOSIS}
+                 "peak_kurtosis_rest": GAUSSIAN_KURTOSIS, "osp_kurtosis": GAUSSIAN_EXCESS_KURTOSIS,
+                 "massive_t0_early": MASSIVE_EARLY}
 """Per metric, the value a model without the phenomenon gives: the baseline must lie above it (the gate)."""
 
 Claim = tuple[str, str, str]
