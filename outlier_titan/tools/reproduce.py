@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Reproduce a paper's phenomena: run its suite (a sweep), evaluate every final checkpoint, write the report.
 
-    outlier-titan-reproduce --suite {kaul2024|he2024|franke2025|sinks2025|park2025} --scale {smoke|cpu|gpu} [--out DIR]
+    outlier-titan-reproduce --suite {kaul2024|he2024|franke2025|sinks2025|park2025|sinks_vs_massive2026} --scale {smoke|cpu|gpu} [--out DIR]
     outlier-titan-reproduce --suite kaul2024 --scale search --parallel 2  # the cpu scale's calibration search
     outlier-titan-reproduce --suite kaul2024 --scale synthetic --parallel 2  # on the Bigram-Backcopy task
     outlier-titan-reproduce --suite kaul2024 --scale cpu --slurm [--slurm-args "--partition gpu ..."]
