@@ -156,7 +156,8 @@ def ratio_verdict(a: Estimate | None, b: Estimate | None, k: float) -> tuple[str
 
 # ------------------------------------------------------------------------------------------------ one mean
 
-def at_most_verdict(e: Estimate | None, tol: float, what: str, pct: bool = True) -> tuple[str, str]:
+def at_most_verdict(e: Estimate | None, tol: float, what: str, pct: bool = True,
+                    paired: bool = True) -> tuple[str, str]:
     """One-sided claim "``e`` is at most ``tol``" (e.g. a paired relative loss change: the remedy costs at most
     2 %): reproduced when the 95 % t-interval lies at or below ``tol``, not reproduced when it lies wholly above,
     inconclusive otherwise. Doing better than ``tol`` never fails the claim."""
@@ -168,7 +169,8 @@ def at_most_verdict(e: Estimate | None, tol: float, what: str, pct: bool = True)
     if iv is None:
         return INCONCLUSIVE, detail + " (one seed: no interval)"
     lo, hi = iv
-    detail += f", 95% interval [{f(lo)}, {f(hi)}] ({MEAN_TEST}, paired by seed), needed ≤ {f(tol)}"
+    detail += (f", 95% interval [{f(lo)}, {f(hi)}] ({MEAN_TEST}{', paired by seed' if paired else ''}), "
+               f"needed ≤ {f(tol)}")
     return (REPRODUCED if hi <= tol else NOT_REPRODUCED if lo > tol else INCONCLUSIVE), detail
 
 

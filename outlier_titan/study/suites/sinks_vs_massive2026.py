@@ -111,7 +111,7 @@ def _tweo_ptq_claim(base, tweo) -> Claim:
         return text, stats.UNTESTABLE, (f"the baseline's W8A8 static Δppl is {b.mean:.2%} ± {(b.sd or 0):.2%} of its "
                                         f"PPL, not above {tol:.0%} (t-interval): nothing for TWEO to repair; "
                                         f"TWEO's {t.mean:.2%}")
-    verdict, detail = stats.at_most_verdict(t, tol, "TWEO's Δppl / PPL")
+    verdict, detail = stats.at_most_verdict(t, tol, "TWEO's Δppl / PPL", paired=False)
     return text, verdict, f"baseline {b.mean:.2%} ± {(b.sd or 0):.2%} of its PPL; {detail}"
 
 
