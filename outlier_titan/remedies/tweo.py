@@ -66,27 +66,31 @@ class TWEO(RemedyHooks):
         if torch.is_grad_enabled():  # training forwards only (not validation or a no-grad probe)
             self.outputs.append(output[0] if isinstance(output, (tuple, list)) else output)
 
-    def _block_sum(self, a: torch.Tensor) -> torch.Tensor:
-        """This rank's sum over its positions (divided by the width), plus (as a constant) the other TP ranks' sums of a sequence-sharded
-        output: the same value on every TP rank, the gradient only through this rank's slice."""
+    def _local_sum(self, a: torch.Tensor) -> tuple[torch.Tensor, bool, object]:
+        """This rank's sum over its positions divided by the width, whether the output is sequence-sharded over
+        TP, and the TP group."""
         group = self.ctx.tp_group
         if isinstance(a, DTensor):
             sharded = any(isinstance(pl, Shard) and pl.dim == 1 for pl in a.placements)
             group, a = a.device_mesh.get_group(), a.to_local()
         else:
             sharded = group is not None and a.shape[1] != self.seq_len
-        s = tweo_sum(a, self.tau, self.p) / a.shape[-1]
-        if sharded:
-            total = s.detach().clone()
-            dist.all_reduce(total, group=group)
-            s = s + (total - s.detach())
-        return s
+        return tweo_sum(a, self.tau, self.p) / a.shape[-1], sharded, group
 
     def loss_term(self) -> torch.Tensor | None:
         outputs, self.outputs = self.outputs, []
         if not outputs:
             return None
-        term = sum(self._block_sum(a) for a in outputs)
+        parts = [self._local_sum(a) for a in outputs]
+        term = sum(s for s, _, _ in parts)
+        sharded = [(s, g) for s, is_sharded, g in parts if is_sharded]
+        if sharded:
+            # the other TP ranks' sums as a constant (one all-reduce for all blocks): every TP rank adds the same
+            # value, and the gradient reaches only this rank's positions
+            local = sum(s for s, _ in sharded)
+            total = local.detach().clone()
+            dist.all_reduce(total, group=sharded[0][1])
+            term = term + (total - local.detach())
         term = self.weight * term / (self.ctx.tokens_per_step * self.n_blocks)
         self.step_total = term.detach() if self.step_total is None else self.step_total + term.detach()
         return term

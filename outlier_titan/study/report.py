@@ -86,9 +86,10 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
         lines += lr_search.section(lr_search.choose(rows, manifest["axes"], info.kurtosis), out)
     if eval_failed:
         lines += [f"Evaluation failed for: {', '.join(eval_failed)} (see `<point>/eval.log`).", ""]
-    if suite_def.summary is not None:
+    searching = scale == "lr"  # a search decides learning rates: no claims, no summary of them
+    if suite_def.summary is not None and not searching:
         lines += suite_def.summary(groups)
-    claims = [] if scale == "lr" else suite_def.claims(groups)  # a search decides learning rates, not claims
+    claims = [] if searching else suite_def.claims(groups)
     lines += ["## Verdicts", "", RULES_TEXT if claims else "None at this scale: it chooses learning rates.", ""]
     for text, verdict, detail in claims:
         lines.append(f"- **{verdict}** {scale_phrase} — {text}: {detail}.")
