@@ -19,6 +19,10 @@ A sweep file is TOML::
     [slurm]                                  # defaults of `run --slurm`
     nodes = 1
 
+An axis value ``{}`` (an empty inline table) leaves the key unset at that point: for a ``[model]`` key the spec's or
+flavor's own default, so that arms on different model specs can share a zip group (``model.norm = ["layernorm",
+{}]`` beside ``model.name = ["pre_ln", "op"]``: the op spec has no ``norm``). Its column holds None.
+
 Keys in ``fixed``/``grid``/``zip`` are any ``section.key`` of the train config (dotted or as nested
 tables) plus ``tokens_per_param``. Every point is resolved and validated by the config code of ``train.py``
 (:func:`outlier_titan.config.manager.set_values` / ``validate``) and its model is built on the meta device
@@ -101,6 +105,11 @@ def _axis_values(key: str, values: Any, where: str) -> list[Any]:
     if not values:
         raise SweepError(f"{where}: axis '{key}' is empty; give at least one value")
     return values
+
+
+def _unset(value: Any) -> Any:
+    """An axis value as set: ``{}`` (the sweep file's "leave unset") is None."""
+    return None if value == {} else value
 
 
 def _check_key(key: str, where: str) -> None:
@@ -244,10 +253,10 @@ def load_sweep(path: str | Path) -> Sweep:
         raise SweepError(f"{where}: training.steps is set while '{BUDGET}' also sets it; drop one of them")
 
     # expand: grid (cartesian) x zip groups (each moves together) x seeds
-    factors: list[list[dict[str, Any]]] = [[{k: v} for v in vals] for k, vals in grid.items()]
+    factors: list[list[dict[str, Any]]] = [[{k: _unset(v)} for v in vals] for k, vals in grid.items()]
     for g in zip_groups:
         n = len(next(iter(g.values())))
-        factors.append([{k: g[k][i] for k in g} for i in range(n)])
+        factors.append([{k: _unset(g[k][i]) for k in g} for i in range(n)])
     if seeds is not None:
         factors.append([{SEED: s} for s in seeds])
     axes = list(grid) + [k for g in zip_groups for k in g] + ([SEED] if seeds is not None else [])

@@ -14,6 +14,8 @@ interval over 3 seeds is about their range). Everything here is t-based and exac
   t-interval of its mean, reproduced when the interval lies at or below ``tol``; a remedy that does better never
   fails it (the claim is one-sided).
 * :func:`threshold_verdict` — "mean ≥ t" or "mean ≤ t": the t-interval of the mean against t.
+* :func:`rank_correlation_verdict` — "larger x goes with larger y" over pooled (arm, seed) pairs: Spearman's ρ
+  and its Fisher-z interval (the one interval here that is not t-based; it needs about ten pairs).
 * :func:`effect_present` — whether a baseline shows the effect a remedy is meant to remove (its t-interval lies
   above a floor). Where it does not, the claim *cannot be tested* and no ratio is formed.
 
@@ -194,6 +196,43 @@ def effect_present(e: Estimate | None, floor: float) -> bool:
         return False
     iv = interval(e)
     return (iv[0] if iv else e.mean) > floor
+
+
+# ------------------------------------------------------------------------------------------------ a rank order
+
+RANK_TEST = "Spearman's rank correlation, Fisher-z interval with Fieller, Hartley and Pearson's (1957) variance 1.06 / (n − 3)"
+
+
+def _ranks(values: list[float]) -> np.ndarray:
+    """1-based ranks, ties given their mean rank."""
+    v = np.asarray(values, dtype=float)
+    order = np.argsort(v, kind="stable")
+    ranks = np.empty(len(v))
+    ranks[order] = np.arange(1, len(v) + 1)
+    for x in np.unique(v):
+        tie = v == x
+        ranks[tie] = ranks[tie].mean()
+    return ranks
+
+
+def rank_correlation_verdict(xs: list[float], ys: list[float], what: str) -> tuple[str, str]:
+    """Claim "larger x goes with larger y": Spearman's ρ with its 95 % interval (z = atanh ρ, se √(1.06 / (n − 3)),
+    adequate from about n = 10); reproduced when the interval lies above 0, not reproduced when below, else
+    inconclusive. Fewer than 6 pairs, or no spread in either variable: inconclusive, saying why."""
+    n = len(xs)
+    if n != len(ys) or n < 6:
+        return INCONCLUSIVE, f"{what}: {n} pairs, too few for an interval"
+    rx, ry = _ranks(xs), _ranks(ys)
+    if rx.std() == 0 or ry.std() == 0:
+        return INCONCLUSIVE, f"{what}: no spread in one of the two variables"
+    rho = float(np.corrcoef(rx, ry)[0, 1])
+    from scipy import stats
+
+    half = float(stats.norm.ppf(0.5 + CONFIDENCE / 2)) * math.sqrt(1.06 / (n - 3))
+    z = math.atanh(max(min(rho, 1 - 1e-12), -1 + 1e-12))
+    lo, hi = math.tanh(z - half), math.tanh(z + half)
+    detail = f"{what}: ρ = {rho:+.2f} over {n} pairs, 95% interval [{lo:+.2f}, {hi:+.2f}] ({RANK_TEST}), needed > 0"
+    return (REPRODUCED if lo > 0 else NOT_REPRODUCED if hi < 0 else INCONCLUSIVE), detail
 
 
 def combine(*verdicts: tuple[str, str]) -> str:
