@@ -281,7 +281,10 @@ def load_sweep(path: str | Path) -> Sweep:
             set_values(cfg, overrides)
             validate(cfg)
         except ConfigError as e:
-            raise SweepError(f"{w}: {e}") from None
+            unset = [k for k, v in values.items() if v is None]
+            hint = (f" (an axis value {{}} leaves a key unset; only keys whose default is unset, [model]'s, take it: "
+                    f"{', '.join(unset)})" if unset and "got None" in str(e) else "")
+            raise SweepError(f"{w}: {e}{hint}") from None
         name = point_name(template, values, cfg, index, w)
         if name in names:
             raise SweepError(f"{where}: duplicate point name {name!r} (points {names[name]} and {index}); put the "
