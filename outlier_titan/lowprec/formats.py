@@ -44,6 +44,7 @@ SCALES = ("fp32", "pow2", "e8m0", "e4m3")
 FP8_EPS = 1e-12  # torchao.float8's clamp on amax before max / amax
 E4M3_TINY = 2.0**-6  # torchao's NVFP4 clamp on the E4M3 block scale (finfo(float8_e4m3fn).tiny)
 E8M0_MIN_EXP = -127
+SR_PRESCALE = 0.75  # Tseng et al. 2025 (arXiv 2502.20586): MX blocks times 3/4 before stochastic rounding
 
 
 @dataclass(frozen=True)
@@ -184,14 +185,22 @@ def encode_decode(xf: torch.Tensor, cast: Cast) -> tuple[torch.Tensor, torch.Ten
     return (1.0 / tensor_scale) / block_scale, tensor_scale * block_scale, False
 
 
-def _cast(x: torch.Tensor, cast: Cast, axis: int, stochastic: bool, generator: torch.Generator | None):
-    """(xf, y = xf * m, q, dequantised float32, scale d, divide) in the cast's grouped layout."""
+def cast_groups(x: torch.Tensor, cast: Cast, axis: int = -1, stochastic: bool = False,
+                generator: torch.Generator | None = None):
+    """The cast in its grouped layout (axis last; blocks split off): (xf, y = xf * m, codes q, dequantised float32,
+    scale d, divide). Dequantisation is q / d when ``divide`` (FP8), else q * d."""
     element = ELEMENTS[cast.element]
     xf = x.to(torch.float32)
     xf = blocked(xf, cast, axis) if cast.scaling == "block" else xf.movedim(axis, -1)
     m, d, divide = encode_decode(xf, cast)
     y = xf * m
-    q = round_stochastic(y, element, generator) if stochastic else round_nearest_even(y, element)
+    if not stochastic:
+        q = round_nearest_even(y, element)
+        return xf, y, q, (q / d if divide else q * d), d, divide
+    if cast.scale == "e8m0":  # E8M0's floor puts amax / scale in [2^emax, 2^(emax+1)): above the max. Tseng et al.
+        q = round_stochastic(y * SR_PRESCALE, element, generator)  # 2025 scale by 3/4 first so that nothing
+        return xf, y, q, (q * d) / SR_PRESCALE, d, divide  # saturates and the rounding stays unbiased
+    q = round_stochastic(y, element, generator)
     return xf, y, q, (q / d if divide else q * d), d, divide
 
 
@@ -199,9 +208,10 @@ def fake_quantize(x: torch.Tensor, cast: Cast, axis: int = -1, *, stochastic: bo
                   generator: torch.Generator | None = None) -> torch.Tensor:
     """Quantise then dequantise (same shape and dtype): what a GEMM in that format computes with. Scales are
     computed along ``axis`` (the GEMM's contraction axis); ``stochastic`` rounds the elements stochastically
-    (unbiased), the scales stay deterministic. One-line ValueError on NaN / inf."""
+    (unbiased; E8M0-scaled blocks are first scaled by 3/4 so that none saturates, Tseng et al. 2025, and the
+    result is scaled back), the scales stay deterministic. One-line ValueError on NaN / inf."""
     check_finite(x)
-    _, _, _, deq, _, _ = _cast(x, cast, axis, stochastic, generator)
+    _, _, _, deq, _, _ = cast_groups(x, cast, axis, stochastic, generator)
     out = unblocked(deq, x.shape, axis) if cast.scaling == "block" else deq.movedim(-1, axis)
     return out.to(x.dtype)
 
@@ -214,7 +224,7 @@ def cast_stats(x: torch.Tensor, cast: Cast, axis: int = -1) -> dict[str, torch.T
     cast's block size; 32 along the axis for tensor / row casts)."""
     check_finite(x, "cast_stats")
     element = ELEMENTS[cast.element]
-    xf, y, q, deq, d, divide = _cast(x, cast, axis, False, None)
+    xf, y, q, deq, d, divide = cast_groups(x, cast, axis, False, None)
     scale = (1.0 / d.double()) if divide else d.double()
     x64, err = xf.double(), (xf.double() - deq.double())
     f64 = dict(dtype=torch.float64, device=x.device)
