@@ -233,7 +233,7 @@ def test_stochastic_rounding_is_unbiased_and_returns_a_neighbour(case):
     out = fake_quantize(x, c, stochastic=True, generator=torch.Generator().manual_seed(0)).double()
     # the grid the stochastic cast rounds on, in x's units: the reference scale (times 4/3 for E8M0's pre-scale)
     _, scale, _ = ref_parts(x[:1], c)
-    unit = scale[0] / F.SR_PRESCALE if c.scale == "e8m0" else scale[0]
+    unit = {"e8m0": scale[0] / F.SR_PRESCALE, "e4m3": R.fp32(scale[0])}.get(c.scale, scale[0])
     lo, hi = R.neighbours(torch.tensor(row, dtype=torch.float64) / unit, R.grid(c.element))
     lo, hi = R.fp32(lo * unit), R.fp32(hi * unit)
     assert ((out == lo) | (out == hi)).all()
@@ -266,16 +266,20 @@ def test_cast_stats_match_a_direct_float64_count(c):
     r_codes, r_scale, r_scaled = ref_parts(x, c)
     x64 = x.double()
     deq = r_codes * r_scale
+    top = R.grid(c.element).values[-2:]
+    beyond = top[1] + (top[1] - top[0]) / 2  # where only saturation keeps a value at the max
+    stored = R.fp32(r_scale) if c.scale == "e4m3" else r_scale  # NVFP4's scale product is stored in FP32
     expect = {
         "amax": x64.abs().max(), "n": x.numel(), "nonzero": (x64 != 0).sum(),
-        "underflow": ((x64 != 0) & (r_codes == 0)).sum(), "saturated": (r_scaled.abs() > R.grid(c.element).max).sum(),
-        "sig_sq": (x64**2).sum(), "scale_min": r_scale.min(), "scale_max": r_scale.max(),
+        "underflow": ((x64 != 0) & (r_codes == 0)).sum(), "saturated": (r_scaled.abs() > beyond).sum(),
+        "sig_sq": (x64**2).sum(), "scale_min": stored.min(), "scale_max": stored.max(),
         "block_dr": R.reference_block_dr(x, c.block or 32, c.block_2d),
     }
     for key, want in expect.items():
         assert float(s[key]) == pytest.approx(float(want), rel=1e-9), key
     assert float(s["err_sq"]) == pytest.approx(float(((x64 - deq) ** 2).sum()), rel=1e-6)
     assert s["underflow"] >= 1 and s["nonzero"] < s["n"]
+    assert (s["saturated"] > 0) == (c.scale == "e8m0")  # only E8M0's floor sends amax / X beyond the max
 
 
 def test_block_dynamic_range_pads_a_partial_last_block():

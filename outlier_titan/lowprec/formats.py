@@ -33,6 +33,11 @@ class Element:
     emax: int
     dtype: torch.dtype | None = None  # the torch dtype whose saturating cast is the round-to-nearest-even
 
+    @property
+    def top_step(self) -> float:
+        """The grid spacing just below the max: beyond max + top_step / 2 only saturation keeps a value finite."""
+        return 2.0 ** (self.emax - self.mbits)
+
 
 ELEMENTS = {
     "e4m3": Element(4, 3, 448.0, -6, 8, torch.float8_e4m3fn),  # OCP FP8 E4M3 ("fn": no inf, one NaN code)
@@ -219,7 +224,8 @@ def fake_quantize(x: torch.Tensor, cast: Cast, axis: int = -1, *, stochastic: bo
 def cast_stats(x: torch.Tensor, cast: Cast, axis: int = -1) -> dict[str, torch.Tensor]:
     """Sums and maxima of one round-to-nearest cast (0-dim float64, so ranks / shards reduce before finalising):
     amax, scale_min / scale_max (the dequantisation scales chosen, value = code x scale), n, nonzero, underflow
-    (nonzero elements that become 0), saturated (|x| beyond the format's max after scaling: clamped), sig_sq
+    (nonzero elements that become 0), saturated (scaled beyond the max by more than half the top grid step: set to
+    the max by saturation, not by rounding), sig_sq
     (sum x^2), err_sq (sum (x - q(x))^2), block_dr (largest max|x| / min nonzero |x| inside one block of the
     cast's block size; 32 along the axis for tensor / row casts)."""
     check_finite(x, "cast_stats")
@@ -234,7 +240,7 @@ def cast_stats(x: torch.Tensor, cast: Cast, axis: int = -1) -> dict[str, torch.T
         "n": torch.tensor(float(xf.numel()), **f64),
         "nonzero": (xf != 0).sum().double(),
         "underflow": ((xf != 0) & (q == 0)).sum().double(),
-        "saturated": (y.abs() > element.max).sum().double(),
+        "saturated": (y.abs() > element.max + element.top_step / 2).sum().double(),
         "sig_sq": (x64 * x64).sum(), "err_sq": (err * err).sum(),
         "block_dr": block_dynamic_range(x, cast, axis),
     }
