@@ -328,7 +328,7 @@ def test_recipe_table():
     assert all(r.name == k and r.help for k, r in RECIPES.items())
     mx4, nv4 = RECIPES["mxfp4"], RECIPES["nvfp4"]
     assert {mx4.input.name, mx4.weight.name, mx4.grad_output.name} == {"e2m1/block32/e8m0"}
-    assert mx4.stochastic_grad and mx4.wgrad_hadamard and "2502.20586" in mx4.help
+    assert mx4.stochastic_grad and mx4.wgrad_hadamard == 64 and "2502.20586" in mx4.help
     assert (nv4.weight.name, nv4.input.name) == ("e2m1/block16x16/e4m3", "e2m1/block16/e4m3")
     assert nv4.stochastic_grad and nv4.wgrad_hadamard == 16 and nv4.keep_last_fraction == 0.15
     assert "2509.25149" in nv4.help

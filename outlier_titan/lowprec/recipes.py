@@ -42,10 +42,10 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("mxfp8", MX["e4m3"], MX["e4m3"], MX["e4m3"],
            help="MXFP8 (OCP MX v1.0): E4M3 elements, one E8M0 power-of-two scale per 32 along the contraction "
                 "axis (floor(log2 amax) - 8), for all three operands, as torchao's MX training recipe."),
-    Recipe("mxfp4", MX["e2m1"], MX["e2m1"], MX["e2m1"], stochastic_grad=True, wgrad_hadamard=32,
-           help="MXFP4 (OCP MX v1.0 E2M1 x 32, E8M0 scales) for all three operands, stochastic rounding of the "
-                "output gradient and a random Hadamard transform of both wgrad operands along tokens "
-                "(Tseng et al. 2025, arXiv 2502.20586)."),
+    Recipe("mxfp4", MX["e2m1"], MX["e2m1"], MX["e2m1"], stochastic_grad=True, wgrad_hadamard=64,
+           help="MXFP4 (OCP MX v1.0 E2M1 x 32, E8M0 scales) for all three operands, stochastic rounding (3/4 "
+                "pre-scale) of the output gradient and a 64-point random Hadamard transform of both wgrad operands "
+                "along tokens (Tseng et al. 2025, arXiv 2502.20586; they keep the forward in BF16, we cast it too)."),
     Recipe("nvfp4", NVFP4_1D, NVFP4_2D, NVFP4_1D, stochastic_grad=True, wgrad_hadamard=16,
            keep_last_fraction=0.15,
            help="NVFP4 (NVIDIA 2025, arXiv 2509.25149): E2M1 elements, an E4M3 scale per 16 times an FP32 tensor "
