@@ -152,7 +152,7 @@ def test_mx_adversarial_equal_reference_and_torchao(torchao, element):
     assert torch.equal(fake_quantize(x.bfloat16(), c), torchao(x.bfloat16(), c))
     assert not out[-2].any()  # the all-zero block stays zero
     g = R.grid(element)
-    assert out[0, 1:3].tolist() == [R.round_to_grid(torch.tensor(v), g).item() for v in x[0, 1:3].double()]
+    assert out[0, 1:3].tolist() == R.round_to_grid(x[0, 1:3].double(), g).tolist()
 
 
 @pytest.mark.parametrize("element", ["e4m3", "e5m2"])
@@ -178,6 +178,21 @@ def test_nvfp4_2d_blocks_equal_torchao_when_every_row_holds_the_tile_max(torchao
     assert torch.equal(fake_quantize(x, NVFP4_2D), torchao(x, NVFP4))
     y = heavy_tailed(32, 64, seed=4)
     assert not torch.equal(fake_quantize(y, NVFP4_2D), fake_quantize(y, NVFP4))  # 2-D really differs otherwise
+
+
+@pytest.mark.parametrize("c", ALL_CASTS + [NVFP4_2D], ids=lambda c: c.name)
+def test_a_sharded_cast_equals_the_whole_cast_given_the_tensor_amax(c):
+    """Shards along the non-contraction axis (FSDP / TP), each cast with the whole tensor's amax, put back
+    together, equal the cast of the whole tensor; without it a per-tensor scale would differ per shard."""
+    x = heavy_tailed(64, 64, seed=9)
+    x[40, 5] = 1e4  # the tensor's amax lives in the second shard
+    whole = fake_quantize(x, c)
+    shards = [fake_quantize(part, c, tensor_amax=x.abs().amax()) for part in x.split(32, dim=0)]
+    assert torch.equal(torch.cat(shards), whole)
+    stats = [cast_stats(part, c, tensor_amax=x.abs().amax()) for part in x.split(32, dim=0)]
+    assert sum(float(s["err_sq"]) for s in stats) == pytest.approx(float(cast_stats(x, c)["err_sq"]), rel=1e-9)
+    if (c.scaling, c.scale) == ("tensor", "fp32") or c.scale == "e4m3":  # (a power-of-two rescale is exact)
+        assert not torch.equal(fake_quantize(x[:32], c), whole[:32])  # the local amax gives another cast
 
 
 def test_nvfp4_all_zero_tensor_is_zero_and_tiny_blocks_hit_the_scale_floor():

@@ -169,11 +169,17 @@ def amax_keep(xb: torch.Tensor, cast: Cast) -> torch.Tensor:
     return xb.abs().amax(dim=-1, keepdim=True)
 
 
-def encode_decode(xf: torch.Tensor, cast: Cast) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def encode_decode(xf: torch.Tensor, cast: Cast, tensor_amax: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(multiplier m, scale d, divide): the cast computes q(xf * m) and dequantises as q / d (``divide``, FP8:
-    torchao's ``_data / scale``) or q * d. ``xf`` is float32, blocked (or axis-last); m and d broadcast to it."""
+    torchao's ``_data / scale``) or q * d. ``xf`` is float32, blocked (or axis-last); m and d broadcast to it.
+    ``tensor_amax`` replaces max|xf| where the cast has a per-tensor scale (see :func:`fake_quantize`)."""
     element = ELEMENTS[cast.element]
+    if tensor_amax is not None:
+        tensor_amax = tensor_amax.to(device=xf.device, dtype=torch.float32).reshape(())
     amax = amax_keep(xf, cast)
+    if cast.scaling == "tensor" and tensor_amax is not None:
+        amax = tensor_amax.reshape(amax.shape)
     if cast.scale in ("fp32", "pow2"):  # torchao.float8.float8_utils.amax_to_scale
         s = (element.max / amax.double().clamp(min=FP8_EPS)).float()
         if cast.scale == "pow2":
@@ -183,7 +189,8 @@ def encode_decode(xf: torch.Tensor, cast: Cast) -> tuple[torch.Tensor, torch.Ten
         k = (exponent(amax) - element.emax).clamp(min=E8M0_MIN_EXP)
         return pow2(-k), pow2(k), False
     # NVFP4 (torchao nvfp4_quantize with a per-tensor scale): FP32 tensor scale amax / (448 * 6), E4M3 block scale
-    tensor_scale = xf.abs().amax().float() / (ELEMENTS["e4m3"].max * element.max)
+    t_amax = xf.abs().amax() if tensor_amax is None else tensor_amax
+    tensor_scale = t_amax / (ELEMENTS["e4m3"].max * element.max)
     tensor_scale = torch.where(tensor_scale > 0, tensor_scale, torch.ones_like(tensor_scale))  # all-zero tensor
     block_scale = ((amax / element.max) / tensor_scale).clamp(E4M3_TINY, ELEMENTS["e4m3"].max)
     block_scale = block_scale.to(torch.float8_e4m3fn).to(torch.float32)
@@ -191,13 +198,13 @@ def encode_decode(xf: torch.Tensor, cast: Cast) -> tuple[torch.Tensor, torch.Ten
 
 
 def cast_groups(x: torch.Tensor, cast: Cast, axis: int = -1, stochastic: bool = False,
-                generator: torch.Generator | None = None):
+                generator: torch.Generator | None = None, tensor_amax: torch.Tensor | None = None):
     """The cast in its grouped layout (axis last; blocks split off): (xf, y = xf * m, codes q, dequantised float32,
     scale d, divide). Dequantisation is q / d when ``divide`` (FP8), else q * d."""
     element = ELEMENTS[cast.element]
     xf = x.to(torch.float32)
     xf = blocked(xf, cast, axis) if cast.scaling == "block" else xf.movedim(axis, -1)
-    m, d, divide = encode_decode(xf, cast)
+    m, d, divide = encode_decode(xf, cast, tensor_amax)
     y = xf * m
     if not stochastic:
         q = round_nearest_even(y, element)
@@ -210,27 +217,31 @@ def cast_groups(x: torch.Tensor, cast: Cast, axis: int = -1, stochastic: bool = 
 
 
 def fake_quantize(x: torch.Tensor, cast: Cast, axis: int = -1, *, stochastic: bool = False,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+                  generator: torch.Generator | None = None, tensor_amax: torch.Tensor | None = None) -> torch.Tensor:
     """Quantise then dequantise (same shape and dtype): what a GEMM in that format computes with. Scales are
     computed along ``axis`` (the GEMM's contraction axis); ``stochastic`` rounds the elements stochastically
     (unbiased; E8M0-scaled blocks are first scaled by 3/4 so that none saturates, Tseng et al. 2025, and the
-    result is scaled back), the scales stay deterministic. One-line ValueError on NaN / inf."""
+    result is scaled back), the scales stay deterministic. ``tensor_amax``: max|x| of the whole tensor when ``x``
+    is a shard of it (all-reduced by the caller), for the casts with a per-tensor scale (FP8 tensorwise, NVFP4's
+    FP32 scale; the others ignore it), so that a sharded cast equals the unsharded one. One-line ValueError on
+    NaN / inf."""
     check_finite(x)
-    _, _, _, deq, _, _ = cast_groups(x, cast, axis, stochastic, generator)
+    _, _, _, deq, _, _ = cast_groups(x, cast, axis, stochastic, generator, tensor_amax)
     out = unblocked(deq, x.shape, axis) if cast.scaling == "block" else deq.movedim(-1, axis)
     return out.to(x.dtype)
 
 
-def cast_stats(x: torch.Tensor, cast: Cast, axis: int = -1) -> dict[str, torch.Tensor]:
+def cast_stats(x: torch.Tensor, cast: Cast, axis: int = -1, *, tensor_amax: torch.Tensor | None = None
+               ) -> dict[str, torch.Tensor]:
     """Sums and maxima of one round-to-nearest cast (0-dim float64, so ranks / shards reduce before finalising):
     amax, scale_min / scale_max (the dequantisation scales chosen, value = code x scale), n, nonzero, underflow
     (nonzero elements that become 0), saturated (scaled beyond the max by more than half the top grid step: set to
     the max by saturation, not by rounding), sig_sq
     (sum x^2), err_sq (sum (x - q(x))^2), block_dr (largest max|x| / min nonzero |x| inside one block of the
-    cast's block size; 32 along the axis for tensor / row casts)."""
+    cast's block size; 32 along the axis for tensor / row casts). ``tensor_amax`` as for :func:`fake_quantize`."""
     check_finite(x, "cast_stats")
     element = ELEMENTS[cast.element]
-    xf, y, q, deq, d, divide = cast_groups(x, cast, axis, False, None)
+    xf, y, q, deq, d, divide = cast_groups(x, cast, axis, False, None, tensor_amax)
     scale = (1.0 / d.double()) if divide else d.double()
     x64, err = xf.double(), (xf.double() - deq.double())
     f64 = dict(dtype=torch.float64, device=x.device)
