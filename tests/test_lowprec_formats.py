@@ -195,6 +195,13 @@ def test_a_sharded_cast_equals_the_whole_cast_given_the_tensor_amax(c):
         assert not torch.equal(fake_quantize(x[:32], c), whole[:32])  # the local amax gives another cast
 
 
+def test_nvfp4_2d_weight_is_the_same_matrix_along_either_axis():
+    """16 x 16 tiles: the weight cast along in-features (forward) and along out-features (dgrad) is one matrix."""
+    w = heavy_tailed(48, 32, seed=10)
+    assert torch.equal(fake_quantize(w, NVFP4_2D, axis=-1), fake_quantize(w, NVFP4_2D, axis=0))
+    assert not torch.equal(fake_quantize(w, NVFP4, axis=-1), fake_quantize(w, NVFP4, axis=0))
+
+
 def test_nvfp4_all_zero_tensor_is_zero_and_tiny_blocks_hit_the_scale_floor():
     assert not fake_quantize(torch.zeros(2, 32), NVFP4).any()
     x = torch.zeros(1, 32)
