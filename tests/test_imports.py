@@ -102,7 +102,7 @@ def test_a_function_level_cycle_is_found(tmp_path):
 
 
 LAYERS = (
-    ("errors", "exit_codes", "options", "plugins", "tensors", "linalg", "packaged", "provenance", "preempt", "cli"),
+    ("errors", "exit_codes", "options", "plugins", "tensors", "linalg", "lowprec", "packaged", "provenance", "preempt", "cli"),
     ("config",),
     ("data",),
     ("models",),
