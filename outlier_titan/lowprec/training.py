@@ -67,29 +67,29 @@ def uses_real_kernels(recipe: Recipe, emulate: str, device_type: str, tp: int = 
 def _cast(t: torch.Tensor, cast: Cast, axis: int, group, sharded: tuple[int, ...], *,
           stochastic: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
     """``fake_quantize(t, cast, axis)`` of the full tensor that ``t`` is a shard of (``sharded``: its dims split over
-    ``group``). A scale that spans a sharded dim takes the global amax: it is appended to ``t`` along ``axis`` (one
-    element per row, or one block), which makes the local amax the global one and leaves every other element's cast
-    unchanged, then dropped again. A stochastic cast of a shard casts the gathered full tensor (the same random
+    ``group``). A per-tensor scale takes the global amax (``tensor_amax``); a row's scale along a sharded axis takes
+    the row's global amax, appended to each row (which makes it the local amax and leaves every other element's
+    cast unchanged) and dropped again. A stochastic cast of a shard casts the gathered full tensor (the same random
     numbers as one rank)."""
     axis %= t.dim()
-    if stochastic and group is not None and sharded:
-        # the random draws follow the full tensor's layout: cast the gathered tensor, keep this rank's part
+    if group is None or not sharded:
+        return fake_quantize(t, cast, axis, stochastic=stochastic, generator=generator)
+    if stochastic:
         dim = sharded[0]
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, t.contiguous(), group=group)
         q = fake_quantize(torch.cat(parts, dim=dim), cast, axis, stochastic=True, generator=generator)
         return q.narrow(dim, dist.get_rank(group) * t.shape[dim], t.shape[dim])
-    tensor_level = cast.scaling == "tensor" or cast.scale == "e4m3"  # NVFP4: FP32 tensor scale over E4M3 blocks
-    if group is None or not ((tensor_level and sharded) or (cast.scaling == "row" and axis in sharded)):
-        return fake_quantize(t, cast, axis, stochastic=stochastic, generator=generator)
-    a = t.detach().abs()
-    amax = a.amax(dim=axis, keepdim=True) if cast.scaling == "row" else a.amax().reshape([1] * t.dim())
-    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    shape = list(t.shape)
-    shape[axis] = cast.block if cast.scaling == "block" else 1
-    padded = torch.cat([t, amax.to(t.dtype).expand(shape)], dim=axis)
-    q = fake_quantize(padded, cast, axis, stochastic=stochastic, generator=generator)
-    return q.narrow(axis, 0, t.shape[axis])
+    if cast.scaling == "row" and axis in sharded:
+        amax = t.detach().abs().amax(dim=axis, keepdim=True)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        q = fake_quantize(torch.cat([t, amax.to(t.dtype)], dim=axis), cast, axis)
+        return q.narrow(axis, 0, t.shape[axis])
+    if cast.scaling == "tensor" or cast.scale == "e4m3":  # NVFP4: an FP32 tensor scale over the E4M3 block scales
+        amax = t.detach().abs().amax().float()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        return fake_quantize(t, cast, axis, tensor_amax=amax)
+    return fake_quantize(t, cast, axis)  # blocks: a shard holds whole blocks
 
 
 @dataclasses.dataclass(frozen=True)

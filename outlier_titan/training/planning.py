@@ -117,7 +117,7 @@ def plan(cfg: JobConfig) -> Plan:
             shapes = [tuple(w.shape) for w in weights]  # the full weights (DTensor shapes are global)
             cast = sum(cast_bytes(s, recipe.weight) for s in shapes) / dims.tp
             high = sum(a * b for a, b in shapes) * compute_bytes / dims.tp
-            lowprec = (f"low precision       {recipe.name} on {len(converted)} Linears; their weights as the "
+            lowprec = (f"low precision     {recipe.name} on {len(converted)} Linears; their weights as the "
                        f"forward GEMMs read them: {cast / GiB:.4f} GiB per TP rank ({high / GiB:.4f} GiB in the "
                        f"compute dtype)" + "".join(f"\n  {line}" for line in lowprec_lines[:-1]))
             if fp8_all_gather(recipe, cfg.low_precision.emulate, device_type, dims.tp):
