@@ -44,7 +44,9 @@ def test_the_tensor_parallel_mlp_casts_like_one_rank(tmp_path):
 
 # 8 sequences of 64 tokens, micro-batches of 4 at every layout: the casts' groups (a micro-batch's tokens) and
 # random numbers (seeded by the micro-batch's place in the global batch) are the same at one rank and at dp 2
-LAYOUT = [*TINY, "--training.steps", "30", "--training.micro_batch_size", "4", "--optimizer.lr", "2e-3"]
+LAYOUT = [*TINY, "--training.steps", "30", "--training.micro_batch_size", "4", "--optimizer.lr", "1e-3"]
+RTOL = 3e-4  # measured (30 steps, lr 1e-3): fp8_tensorwise 1.1e-4, nvfp4 6.8e-5, fp8_rowwise 3.7e-5; bf16 9.8e-6
+TP_RECIPES = ("fp8_tensorwise", "fp8_rowwise", "nvfp4")  # a tensor scale, a row scale, blocks + SR + RHT
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,9 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lowprec")
     one = {p: train(tmp, *LAYOUT, "--low_precision.recipe", p, name=f"{p}_one").check() for p in PRECISIONS}
     four = {p: train(tmp, *LAYOUT, "--low_precision.recipe", p, "--parallelism.tp", "2", name=f"{p}_four",
-                     nproc=4).check() for p in ("fp8_tensorwise", "fp8_rowwise", "nvfp4")}
+                     nproc=4).check() for p in TP_RECIPES}
+    four["nvfp4_ac"] = train(tmp, *LAYOUT, "--low_precision.recipe", "nvfp4", "--activation_checkpoint.mode", "full",
+                             name="nvfp4_ac").check()
     return one, four
 
 
@@ -67,7 +71,15 @@ def test_every_precision_trains_the_debug_model(runs):
             assert series != bf16 and f"low_precision: {precision} on " in run.stdout
 
 
-@pytest.mark.parametrize("precision", ["fp8_tensorwise", "fp8_rowwise", "nvfp4"])
+@pytest.mark.parametrize("precision", TP_RECIPES)
 def test_fsdp2_x_tp2_trains_like_one_rank(runs, precision):
     one, four = runs
+    # The casts are the same (the TP test above); the GEMMs' float32 sum order is not, and a cast turns a value at
+    # a rounding boundary into the neighbouring code (a per-tensor FP32 scale moves with every last bit of its
+    # amax, so fp8_tensorwise drifts most); a scale taken from the local shard instead misses by percents
     assert_losses_close(one[precision].losses, four[precision].losses, rtol=RTOL)
+
+
+def test_activation_checkpointing_recomputes_the_same_casts(runs):
+    one, other = runs
+    assert_losses_close(one["nvfp4"].losses, other["nvfp4_ac"].losses, rtol=1e-6)

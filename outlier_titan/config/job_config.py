@@ -291,7 +291,8 @@ class LowPrecision:
                                     "(keep_last_fraction of the blocks, rounded up): nvfp4 the last 15% (NVIDIA "
                                     "2025, arXiv 2509.25149, keeps the last blocks in BF16), 0 for the others "
                                     "(torchtitan converts every block).")
-    skip_output: bool = opt(True, "Keep the LM head (output) in high precision, as torchtitan and NVIDIA 2025 do.")
+    skip_output: bool = opt(True, "Keep the LM head (output) in high precision, as torchtitan and NVIDIA 2025 (arXiv "
+                                  "2509.25149) do.")
     skip_attention: bool = opt(False, "Keep the attention projections (wq, wk, wv, wo) in high precision.")
     min_dim: int = opt(0, "Keep a Linear whose in- or out-features are below this in high precision (torchtitan's "
                           "auto_filter_small_kn: small GEMMs gain nothing from FP8 kernels); 0 = none skipped.")
