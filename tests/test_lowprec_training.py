@@ -5,7 +5,6 @@ precision."""
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -232,3 +231,28 @@ def test_the_dry_run_prints_the_bytes_per_format():
     line = next(x for x in out.stdout.splitlines() if "low precision" in x)
     gib = (elements / 2 + elements / 16 + 18 * 4) / 2 / 2**30
     assert f"nvfp4 on 18 Linears; their weights as the forward GEMMs read them: {gib:.4f} GiB per TP rank" in line
+
+
+def test_missing_torchao_is_one_line(monkeypatch):
+    import sys
+
+    from outlier_titan.lowprec.torchao_kernels import import_torchao_float8
+
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(ConfigError, match=r"^low_precision: the FP8 kernels need torchao: pip install "
+                                          r"'outlier_titan\[lowprec\]' \(or set low_precision.emulate = always\)$"):
+        import_torchao_float8()
+
+
+def test_a_linear_subclass_with_its_own_forward_stays_and_says_so():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2.0 * nn.functional.linear(x, self.weight)
+
+    model = _toy_model()
+    model.layers["0"].feed_forward.w1 = Scaled(64, 128)
+    lines = []
+    names = convert_model(model, lp_cfg("mxfp8"), "cpu", log=lines.append)
+    assert "layers.0.feed_forward.w1" not in names and type(model.layers["0"].feed_forward.w1) is Scaled
+    assert "low_precision: layers.0.feed_forward.w1 stays in high precision (a Scaled with its own forward)" in lines

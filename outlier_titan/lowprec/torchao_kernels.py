@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import logging
 import warnings
 
 import torch.nn as nn
@@ -16,6 +17,9 @@ from outlier_titan.lowprec.recipes import Recipe
 
 def import_torchao_float8():
     """``torchao.float8`` with its import-time notices silenced; a one-line ConfigError when torchao is missing."""
+    pytree = logging.getLogger("torch.utils._pytree")  # its Enum notices go through torch's log handler
+    level = pytree.level
+    pytree.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), \
                 contextlib.redirect_stdout(io.StringIO()):
@@ -24,6 +28,8 @@ def import_torchao_float8():
     except ImportError:
         raise ConfigError("low_precision: the FP8 kernels need torchao: pip install 'outlier_titan[lowprec]' "
                           "(or set low_precision.emulate = always)") from None
+    finally:
+        pytree.setLevel(level)
     return float8
 
 

@@ -216,7 +216,7 @@ def _block_index(name: str, blocks: list[str]) -> int | None:
 
 def select_linears(model: nn.Module, lp_cfg, recipe: Recipe) -> tuple[list[str], list[str]]:
     """The FQNs of the Linears the filters convert, and one line per Linear skipped because its GEMMs cannot be
-    cast in whole blocks."""
+    cast in whole blocks or it is a subclass of ``nn.Linear`` with its own forward."""
     blocks = list(model.layers.keys()) if hasattr(model, "layers") else []
     n = len(blocks)
     last = lp_cfg.skip_last_blocks
@@ -236,6 +236,8 @@ def select_linears(model: nn.Module, lp_cfg, recipe: Recipe) -> tuple[list[str],
         if min(module.in_features, module.out_features) < lp_cfg.min_dim:
             continue
         why = _check_blocks(recipe, {"in_features": module.in_features, "out_features": module.out_features})
+        if type(module) is not nn.Linear:  # a subclass computes its own forward (nGPT's ScaledLinear): not ours
+            why = f"a {type(module).__name__} with its own forward"
         if why:
             notes.append(f"low_precision: {name} stays in high precision ({why})")
             continue
