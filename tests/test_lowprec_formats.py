@@ -169,6 +169,22 @@ def test_fp8_ties_subnormals_and_saturation(torchao, element):
     assert all(bool(g.even[(g.values == v).nonzero()[0, 0]]) for v in even.abs())
 
 
+def test_nvfp4_adversarial_equal_reference_and_torchao(torchao):
+    """Tensor amax 2688 (FP32 scale exactly 1) and block amaxes 6 * 2^i (E4M3 scales 2^i): every E2M1 midpoint is
+    an exact tie in every pipeline and must go to the even code; a tiny block clamps its scale at 2^-6."""
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    row = [torch.tensor([2688.0] + [0.0] * 15)]
+    for i in (0, 1, -3):
+        row.append(torch.cat([torch.tensor([6.0]), mids, -mids, torch.tensor([0.0])]) * 2.0**i)
+    row.append(torch.tensor([1e-3, 2e-3, -1e-4] + [0.0] * 13))
+    x = torch.cat(row)[None, :]
+    out = fake_quantize(x, NVFP4)
+    assert torch.equal(out.double(), R.reference_fake_quantize(x, **ref_args(NVFP4)))
+    assert torch.equal(out, torchao(x, NVFP4))
+    assert out[0, 17:24].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    assert not out[0, 64:].any()  # 1e-3 / 2^-6 = 0.064 underflows
+
+
 def test_nvfp4_2d_blocks_equal_torchao_when_every_row_holds_the_tile_max(torchao):
     """A 16x16 tile's scale is its amax; if every 1x16 row segment of the tile holds that amax, torchao's 1-D
     NVFP4 cast chooses the same scales, so the 2-D cast must equal it."""
@@ -193,6 +209,13 @@ def test_a_sharded_cast_equals_the_whole_cast_given_the_tensor_amax(c):
     assert sum(float(s["err_sq"]) for s in stats) == pytest.approx(float(cast_stats(x, c)["err_sq"]), rel=1e-9)
     if (c.scaling, c.scale) == ("tensor", "fp32") or c.scale == "e4m3":  # (a power-of-two rescale is exact)
         assert not torch.equal(fake_quantize(x[:32], c), whole[:32])  # the local amax gives another cast
+
+
+def test_nvfp4_2d_weight_is_the_same_matrix_along_either_axis():
+    """16 x 16 tiles: the weight cast along in-features (forward) and along out-features (dgrad) is one matrix."""
+    w = heavy_tailed(48, 32, seed=10)
+    assert torch.equal(fake_quantize(w, NVFP4_2D, axis=-1), fake_quantize(w, NVFP4_2D, axis=0))
+    assert not torch.equal(fake_quantize(w, NVFP4, axis=-1), fake_quantize(w, NVFP4, axis=0))
 
 
 def test_nvfp4_all_zero_tensor_is_zero_and_tiny_blocks_hit_the_scale_floor():

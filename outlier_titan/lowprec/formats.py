@@ -15,6 +15,7 @@ cast and the dequantisation (torchao casts with 2^-126 and dequantises with 2^-1
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -275,6 +276,12 @@ def block_dynamic_range(x: torch.Tensor, cast: Cast, axis: int = -1) -> torch.Te
     return ratio.max() if ratio.numel() else torch.zeros((), dtype=torch.float64, device=x.device)
 
 
+@lru_cache(maxsize=8)
+def hadamard32(size: int) -> torch.Tensor:
+    """The normalised Sylvester Hadamard matrix of ``size`` in float32 (CPU), built once per size."""
+    return sylvester_hadamard(size).to(torch.float32)
+
+
 def random_signs(size: int, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
     """``size`` independent +-1 (float32) from ``generator``: the diagonal of a random Hadamard transform."""
     bits = torch.randint(0, 2, (size,), generator=generator, device=device)
@@ -295,7 +302,7 @@ def random_hadamard(x: torch.Tensor, size: int, axis: int = -1, generator: torch
         raise ValueError(f"random_hadamard: length {n} along axis {axis} is not a multiple of the size {size}")
     if signs is None:
         signs = random_signs(size, generator, x.device)
-    q = (sylvester_hadamard(size).to(device=x.device, dtype=torch.float32) * signs.to(torch.float32))  # H diag(s)
+    q = hadamard32(size).to(x.device) * signs.to(device=x.device, dtype=torch.float32)  # H diag(s) / sqrt(size)
     xm = x.to(torch.float32).movedim(axis, -1)
     out = (xm.reshape(*xm.shape[:-1], n // size, size) @ q.T).reshape(xm.shape)  # each block b -> H diag(s) b
     return out.movedim(-1, axis).to(x.dtype)

@@ -33,15 +33,17 @@ NVFP4_2D = Cast("e2m1", "block", 16, "e4m3", block_2d=True)
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("fp8_rowwise", E4M3_ROW, E4M3_ROW, E4M3_ROW, torchao_float8="rowwise",
-           help="FP8 E4M3 for input, weight and output gradient, one power-of-two FP32 scale per row along the "
-                "contraction axis: torchao's Float8LinearConfig recipe 'rowwise' (torchao 0.18)."),
+           help="FP8 E4M3 (Micikevicius et al. 2022, arXiv 2209.05433) for input, weight and output gradient, one "
+                "power-of-two FP32 scale per row along the contraction axis: torchao 0.18's Float8LinearConfig "
+                "recipe 'rowwise'."),
     Recipe("fp8_tensorwise", Cast("e4m3", "tensor"), Cast("e4m3", "tensor"), Cast("e5m2", "tensor"),
            torchao_float8="tensorwise",
            help="FP8 with one FP32 scale per tensor (amax / max): E4M3 input and weight, E5M2 output gradient "
                 "(Micikevicius et al. 2022, arXiv 2209.05433); torchao's Float8LinearConfig recipe 'tensorwise'."),
     Recipe("mxfp8", MX["e4m3"], MX["e4m3"], MX["e4m3"],
-           help="MXFP8 (OCP MX v1.0): E4M3 elements, one E8M0 power-of-two scale per 32 along the contraction "
-                "axis (floor(log2 amax) - 8), for all three operands, as torchao's MX training recipe."),
+           help="MXFP8 (OCP MX v1.0; Rouhani et al. 2023, arXiv 2310.10537): E4M3 elements, one E8M0 power-of-two "
+                "scale per 32 along the contraction axis (floor(log2 amax) - 8, torchao's FLOOR mode) for all three "
+                "operands, as torchao's MX training recipe."),
     Recipe("mxfp4", MX["e2m1"], MX["e2m1"], MX["e2m1"], stochastic_grad=True, wgrad_hadamard=64,
            help="MXFP4 (OCP MX v1.0 E2M1 x 32, E8M0 scales) for all three operands, stochastic rounding (3/4 "
                 "pre-scale) of the output gradient and a 64-point random Hadamard transform of both wgrad operands "
