@@ -29,6 +29,7 @@ from outlier_titan.data import build_dataloader, build_tokenizer
 from outlier_titan.data.sources import tokenizer_mismatch
 from outlier_titan.eval.perplexity import validation_budget
 from outlier_titan.hf.load import apply_initial_model, load_model_state
+from outlier_titan.lowprec.training import set_rng_position
 from outlier_titan.models.init import Initializer
 from outlier_titan.models.registry import build_meta_model, count_params, flops_per_token
 from outlier_titan.observe.logger import MetricsLogger, Throughput
@@ -120,7 +121,8 @@ class Trainer(RunConsole, DivergenceGuard):
         self.spec, self.args, self.model = build_meta_model(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
         self.n_params = count_params(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.training.seq_len)
-        parallelize(self.model, self.spec, self.args, cfg, self.dims, self.mesh, device_type)
+        self.lowprec_modules = parallelize(self.model, self.spec, self.args, cfg, self.dims, self.mesh, device_type,
+                                           log=self.log0)
         check_optimizer_layout(self.model, cfg.optimizer)  # before materialising
         self.model.to_empty(device=self.device)
         self.model.init_weights(Initializer(cfg.training.seed, self.device))
@@ -224,7 +226,9 @@ class Trainer(RunConsole, DivergenceGuard):
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(self.accum_steps):
+        for micro in range(self.accum_steps):
+            if self.lowprec_modules:  # the casts' random numbers: the same for this micro-batch in every layout
+                set_rng_position(self.cfg.training.seed, self.state.step, self.dp_rank * self.accum_steps + micro)
             inputs, labels = next(self.train_iter)
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             logits = self.model(inputs)

@@ -13,6 +13,7 @@ checkpoint is a one-line :class:`CheckpointError` (DCP's own ``CheckpointExcepti
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -38,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from outlier_titan.checkpoint import integrity
 from outlier_titan.checkpoint.run_folder import on_rank0
-from outlier_titan.config.job_config import OptimizerCommon
+from outlier_titan.config.job_config import LowPrecision, OptimizerCommon
 from outlier_titan.errors import CheckpointError, RunFailure
 from outlier_titan.optim.builder import get_optimizer  # the registry, with the built-ins registered
 
@@ -390,6 +391,8 @@ def optimizer_breaking(saved: dict, current: dict) -> dict[str, str]:
     return {f"optimizer.{k}": f"the {name} optimizer state layout differs" for k in spec.breaking_keys()}
 
 
+NOTES = {"low_precision.recipe": " (the same weights load; from here on their GEMMs cast as the new recipe says)"}
+BEFORE = {"low_precision": {f.name: f.default for f in dataclasses.fields(LowPrecision)}}  # a config saved without it
 IGNORED = {"checkpoint.load_step", "checkpoint.allow_config_change", "checkpoint.verify", "job.dry_run"}
 RUN_ONLY_MODEL_KEYS = {"model.attention_impl"}  # how the model runs, not what it is: a change is listed, not refused
 
@@ -406,7 +409,7 @@ def config_changes(saved_toml: str, current_toml: str, saved_meta: dict | None =
     breaking = {**BREAKING, **optimizer_breaking(saved, current)}
     out = []
     for section in sorted(set(saved) | set(current)):
-        a, b = saved.get(section, {}), current.get(section, {})
+        a, b = saved.get(section, BEFORE.get(section, {})), current.get(section, {})
         for key in sorted(set(a) | set(b)):
             name = f"{section}.{key}"
             if name in IGNORED or a.get(key) == b.get(key):
@@ -454,7 +457,7 @@ def check_resume(path: Path, current_toml: str, current_meta: dict, allow_change
                               "restore them, pass --checkpoint.allow_config_change true, or start a new run "
                               "(another job.name, or checkpoint.load_step = 0)")
     return [f"resume changes {k}: {a!r} -> {b!r}" + (f" ({why}; allowed by checkpoint.allow_config_change)"
-                                                       if why else "") for k, a, b, why in changes]
+                                                       if why else NOTES.get(k, "")) for k, a, b, why in changes]
 
 
 def run_config_file(path: Path) -> Path | None:

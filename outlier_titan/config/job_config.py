@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from outlier_titan.errors import UserError
+from outlier_titan.lowprec.recipes import PRECISIONS, RECIPES
 from outlier_titan.options import (ATTENTION_IMPLS, ATTENTION_NAMES, DATA_SOURCE_NAMES, OPTIMIZER_NAMES, OptionGroup,
                                    compose_section, opt)
 
@@ -270,6 +271,33 @@ class Observe:
                                  "and ||g_0|| / mean_t>0 ||g_t||. Off by default: it costs a backward.")
 
 
+def _recipes_help() -> str:
+    listed = ", ".join(f"{n} ({r.help})" if r.help else n for n, r in RECIPES.items())
+    return (f"Number formats of the Linear layers' GEMMs: bf16 (none: the compute dtype) or a recipe: {listed}. "
+            "Each GEMM operand is cast along the axis its GEMM contracts (docs/low_precision.md).")
+
+
+@dataclass
+class LowPrecision:
+    """``[low_precision]``: which Linear layers train in which formats (outlier_titan.lowprec.training)."""
+
+    recipe: str = opt("bf16", _recipes_help, PRECISIONS)
+    emulate: str = opt("auto", "auto: real kernels where the hardware has them (the FP8 recipes on CUDA SM 8.9+ "
+                               "through torchao's Float8Linear, without TP), the emulation elsewhere; always: the "
+                               "emulation (quantise-dequantise operands, high-precision GEMMs) everywhere.",
+                       ("auto", "always"))
+    skip_first_blocks: int = opt(0, "Keep the first N blocks' Linears in high precision.")
+    skip_last_blocks: int = opt(-1, "Keep the last N blocks' Linears in high precision; -1 = the recipe's share "
+                                    "(keep_last_fraction of the blocks, rounded up): nvfp4 the last 15% (NVIDIA "
+                                    "2025, arXiv 2509.25149, keeps the last blocks in BF16), 0 for the others "
+                                    "(torchtitan converts every block).")
+    skip_output: bool = opt(True, "Keep the LM head (output) in high precision, as torchtitan and NVIDIA 2025 (arXiv "
+                                  "2509.25149) do.")
+    skip_attention: bool = opt(False, "Keep the attention projections (wq, wk, wv, wo) in high precision.")
+    min_dim: int = opt(0, "Keep a Linear whose in- or out-features are below this in high precision (torchtitan's "
+                          "auto_filter_small_kn: small GEMMs gain nothing from FP8 kernels); 0 = none skipped.")
+
+
 @dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
@@ -286,3 +314,4 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     eval: Eval = field(default_factory=Eval)
     observe: Observe = field(default_factory=Observe)
+    low_precision: LowPrecision = field(default_factory=LowPrecision)

@@ -10,6 +10,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.errors import ConfigError
+from outlier_titan.lowprec.training import convert_model
 from outlier_titan.parallel.dims import ParallelDims
 from outlier_titan.parallel.fsdp import apply_fsdp
 from outlier_titan.parallel.tensor_parallel import apply_tp_plan
@@ -51,8 +52,10 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def parallelize(model: nn.Module, spec, args, cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh,
-                device_type: str) -> None:
-    """TP (spec plan) -> activation checkpointing -> per-block compile -> FSDP2 / HSDP."""
+                device_type: str, log=None) -> list[str]:
+    """Low-precision conversion -> TP (spec plan) -> activation checkpointing -> per-block compile -> FSDP2 / HSDP.
+    Returns the names of the Linears ``[low_precision]`` converted (``log`` gets its lines)."""
+    converted = convert_model(model, cfg.low_precision, device_type, tp=dims.tp, log=log)
     if dims.tp_enabled:
         if spec.tp_plan is None:
             raise ConfigError(f"parallelism.tp = {dims.tp} but model spec '{spec.name}' has no TP plan")
@@ -67,3 +70,4 @@ def parallelize(model: nn.Module, spec, args, cfg: JobConfig, dims: ParallelDims
     # FSDP2 also at dp = 1: it then only applies the mixed-precision policy, so world size 1 trains in
     # bf16 on GPU exactly like N ranks (no silent fp32 single-GPU runs).
     apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype)
+    return converted

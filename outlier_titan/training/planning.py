@@ -19,6 +19,8 @@ from outlier_titan.config.job_config import JobConfig
 from outlier_titan.data.sources import tokenizer_mismatch
 from outlier_titan.data.tokenizer import planning_vocab
 from outlier_titan.errors import ConfigError
+from outlier_titan.lowprec.recipes import RECIPES
+from outlier_titan.lowprec.training import cast_bytes, fp8_all_gather
 from outlier_titan.models.registry import count_params, flops_per_token, model_args
 from outlier_titan.optim.builder import checked_optimizer
 from outlier_titan.remedies import validate_remedies
@@ -41,6 +43,7 @@ class Plan:
     tokenizer: str = ""
     vocab_size: int = 0
     optimizer_split: str = ""  # an optimizer that plans its own state: its summary line (Muon: its split)
+    lowprec: str = ""  # [low_precision]: the converted Linears and the bytes their weights take in the GEMMs
 
     @property
     def total_bytes(self) -> float:
@@ -97,7 +100,9 @@ def plan(cfg: JobConfig) -> Plan:
         fpt = flops_per_token(model, cfg.training.seq_len)
         cuda_like = cfg.training.device != "cpu"
         compute_bytes = 2 if (cuda_like and cfg.training.mixed_precision_param == "bfloat16") else 4
-        parallelize(model, spec, args, cfg, dims, mesh, "cuda" if cuda_like else "cpu")
+        device_type = "cuda" if cuda_like else "cpu"
+        lowprec_lines: list[str] = []
+        converted = parallelize(model, spec, args, cfg, dims, mesh, device_type, log=lowprec_lines.append)
         local, largest_block = 0, 0
         seen = set()
         for p_ in model.parameters():
@@ -105,8 +110,23 @@ def plan(cfg: JobConfig) -> Plan:
                 continue
             seen.add(id(p_))
             local += (p_.to_local() if isinstance(p_, DTensor) else p_).numel()
+        lowprec, gathered_fp8 = "", set()
+        if converted:
+            recipe = RECIPES[cfg.low_precision.recipe]
+            weights = [model.get_submodule(n).weight for n in converted]
+            shapes = [tuple(w.shape) for w in weights]  # the full weights (DTensor shapes are global)
+            cast = sum(cast_bytes(s, recipe.weight) for s in shapes) / dims.tp
+            high = sum(a * b for a, b in shapes) * compute_bytes / dims.tp
+            lowprec = (f"low precision     {recipe.name} on {len(converted)} Linears; their weights as the "
+                       f"forward GEMMs read them: {cast / GiB:.4f} GiB per TP rank ({high / GiB:.4f} GiB in the "
+                       f"compute dtype)" + "".join(f"\n  {line}" for line in lowprec_lines[:-1]))
+            if fp8_all_gather(recipe, cfg.low_precision.emulate, device_type, dims.tp):
+                gathered_fp8 = {id(w) for w in weights}
+                lowprec += "\n  FSDP all-gathers the converted weights in FP8 (1 byte per element)"
         for block in model.layers.values():
-            largest_block = max(largest_block, sum(q.numel() for q in block.parameters()))
+            # bytes of one block's all-gather: FP8 weights 1 byte, the rest in the compute dtype
+            largest_block = max(largest_block, sum(q.numel() * (1 if id(q) in gathered_fp8 else compute_bytes)
+                                                   for q in block.parameters()))
         if optim_spec.plan_state is not None:
             split, optimizer_bytes = optim_spec.plan_state(model, cfg.optimizer)
         else:
@@ -118,8 +138,9 @@ def plan(cfg: JobConfig) -> Plan:
         world_size=world, n_params=n_params, flops_per_token=fpt, local_params=local,
         param_bytes=4 * local, grad_bytes=4 * local, optimizer_bytes=optimizer_bytes, optimizer_split=split,
         activation_bytes=activation_bytes(cfg, dims, n_layers, dim, n_heads, vocab, micro, compute_bytes),
-        # FSDP all-gathers one block at a time (plus one prefetched) in the compute dtype, TP-sharded.
-        gather_bytes=2 * largest_block / dims.tp * compute_bytes,
+        # FSDP all-gathers one block at a time (plus one prefetched) in the compute dtype (FP8 all-gather: the
+        # converted weights in one byte), TP-sharded.
+        gather_bytes=2 * largest_block / dims.tp, lowprec=lowprec,
         tokenizer=f"{cfg.data.tokenizer} ({tokenizer_name})", vocab_size=vocab,
     )
 
@@ -139,6 +160,8 @@ def dry_run(cfg: JobConfig) -> Plan:
     print(f"  per-rank params   {pl.local_params:,}")
     if pl.optimizer_split:
         print(f"  {pl.optimizer_split}")
+    if pl.lowprec:
+        print(f"  {pl.lowprec}")
     rows = [("parameters (fp32)", pl.param_bytes), ("gradients (fp32)", pl.grad_bytes),
             (f"optimizer state ({cfg.optimizer.name})", pl.optimizer_bytes),
             (f"activations (estimate, AC {cfg.activation_checkpoint.mode})", pl.activation_bytes),
