@@ -85,6 +85,18 @@ def test_the_linear_equals_a_float64_reference_of_its_casts(recipe):
         assert (wrong_axis - rdx).norm() / rdx.norm() > 1e-2
 
 
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "nvfp4"])
+def test_a_non_finite_gradient_spreads_instead_of_raising(recipe):
+    """Training casts skip formats' NaN/inf refusal (and its device sync): a non-finite output gradient gives
+    non-finite parameter gradients, which the trainer's divergence guard sees as a skipped step, not a crash."""
+    lin = _converted_linear(recipe, d_in=32, d_out=32)
+    set_rng_position(0, 1, 0)
+    g = torch.zeros(64, 32)
+    g[3, 5] = float("nan")
+    lin(_heavy((64, 32), 1)).backward(g)
+    assert not torch.isfinite(lin.weight.grad).all()
+
+
 def test_the_random_numbers_follow_the_step_and_micro_batch():
     lin = _converted_linear("nvfp4", d_in=32, d_out=32)
     x = _heavy((64, 32), 1)

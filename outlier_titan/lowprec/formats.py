@@ -218,15 +218,18 @@ def cast_groups(x: torch.Tensor, cast: Cast, axis: int = -1, stochastic: bool = 
 
 
 def fake_quantize(x: torch.Tensor, cast: Cast, axis: int = -1, *, stochastic: bool = False,
-                  generator: torch.Generator | None = None, tensor_amax: torch.Tensor | None = None) -> torch.Tensor:
+                  generator: torch.Generator | None = None, tensor_amax: torch.Tensor | None = None,
+                  check: bool = True) -> torch.Tensor:
     """Quantise then dequantise (same shape and dtype): what a GEMM in that format computes with. Scales are
     computed along ``axis`` (the GEMM's contraction axis); ``stochastic`` rounds the elements stochastically
     (unbiased; E8M0-scaled blocks are first scaled by 3/4 so that none saturates, Tseng et al. 2025, and the
     result is scaled back), the scales stay deterministic. ``tensor_amax``: max|x| of the whole tensor when ``x``
     is a shard of it (all-reduced by the caller), for the casts with a per-tensor scale (FP8 tensorwise, NVFP4's
     FP32 scale; the others ignore it), so that a sharded cast equals the unsharded one. One-line ValueError on
-    NaN / inf."""
-    check_finite(x)
+    NaN / inf; ``check=False`` (training) skips that test and its device sync, and non-finite values spread through
+    the cast's scale instead, as in a real low-precision GEMM, for the divergence guard to see."""
+    if check:
+        check_finite(x)
     _, _, _, deq, _, _ = cast_groups(x, cast, axis, stochastic, generator, tensor_amax)
     out = unblocked(deq, x.shape, axis) if cast.scaling == "block" else deq.movedim(-1, axis)
     return out.to(x.dtype)
