@@ -9,6 +9,9 @@
   1st percentile to the maximum of these magnitudes; its range is written in the title and on the colour bar.
 * :func:`sinks_massive_image`: per layer, the attention-sink shares and the gradient sink beside the
   massive-activation magnitudes (:mod:`outlier_titan.observe.panel`).
+* :func:`lowprec_image`: per layer (rows) and cast tensor class x module group (columns), the underflow share,
+  the saturation share and the quantisation SNR of the low-precision casts (:mod:`outlier_titan.observe.lowprec`),
+  three heatmaps with the values written in the cells.
 
 matplotlib (Agg, no display) is imported on the first picture only.
 """
@@ -133,4 +136,34 @@ def sinks_massive_image(layers: list[str], columns: dict[str, list[float]], shar
             ax.legend(fontsize=7, loc="best")
     left.set_title("attention sinks and the gradient sink (dashed)", fontsize=9, loc="left")
     right.set_title("massive activations", fontsize=9, loc="left")
+    return _to_array(fig)
+
+
+def lowprec_image(layers: list[str], columns: list[str], table: dict[str, list[list[float]]],
+                  dpi: int = 100) -> np.ndarray:
+    """Heatmaps [layers x columns] of ``table``'s ``underflow`` and ``saturation`` shares (fixed [0, 1] scale) and
+    ``snr_db`` (its own range), values in the cells (blank: no such cast) -> [H, W, 3] uint8, labelled."""
+    if not layers or not columns:
+        raise ValueError("the low-precision picture needs at least one layer and one column")
+    plt = _pyplot()
+    panels = (("underflow", "underflow share (nonzero -> 0)", "Reds", (0.0, 1.0)),
+              ("saturation", "saturation share (clamped at max)", "Oranges", (0.0, 1.0)),
+              ("snr_db", "quantisation SNR (dB)", "viridis", None))
+    width = 3.0 + 3 * max(2.4, 0.55 * len(columns))
+    fig, axes = plt.subplots(1, 3, figsize=(width, 1.8 + 0.3 * len(layers)), dpi=dpi, layout="constrained")
+    for ax, (key, title, cmap, scale) in zip(axes, panels):
+        a = np.asarray(table[key], dtype=np.float64)
+        finite = a[np.isfinite(a)]
+        lo, hi = scale or ((float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0))
+        im = ax.imshow(np.ma.masked_invalid(a), aspect="auto", cmap=cmap, vmin=lo, vmax=hi if hi > lo else lo + 1,
+                       interpolation="nearest")
+        for (i, j), v in np.ndenumerate(a):
+            if not np.isnan(v):
+                ax.text(j, i, f"{v:.2g}" if key != "snr_db" else f"{v:.1f}", ha="center", va="center", fontsize=6)
+        ax.set_xticks(range(len(columns)), columns, rotation=45, ha="right", fontsize=7)
+        ax.set_yticks(range(len(layers)), layers, fontsize=7)
+        ax.set_ylabel("layer")
+        ax.set_title(title, fontsize=9, loc="left")
+        fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.suptitle("low-precision casts per layer: tensor class (act / weight / grad) x module group", fontsize=9)
     return _to_array(fig)

@@ -55,11 +55,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 from outlier_titan.config.job_config import Observe
 from outlier_titan.models.attention_variants import get_variant
 from outlier_titan.models.layers import Attention
-from outlier_titan.observe import metrics
+from outlier_titan.observe import lowprec, metrics
 from outlier_titan.observe.metrics import F64
 from outlier_titan.observe import outliers as om
 from outlier_titan.observe import panel
-from outlier_titan.observe.pictures import attention_map_image, hidden_magnitude_image, sinks_massive_image
+from outlier_titan.observe.pictures import (attention_map_image, hidden_magnitude_image, lowprec_image,
+                                            sinks_massive_image)
 from outlier_titan.observe.super_weights import down_projections
 
 PREFIX = "outliers"
@@ -80,6 +81,10 @@ class OutlierProbe:
             name: [m for m in block.modules() if isinstance(m, Attention)] for name, block in model.layers.items()}
         self._dp_groups, self._tp_group, self._tp_rank = self._groups(mesh)
         self._tp_mesh = mesh["tp"] if self._tp_group is not None else None
+        # the low-precision casts (observe/lowprec.py); a weight is the same on every DP rank: DP rank 0 counts it
+        self.casts = lowprec.CastTaps(model, self.cfg.lowprec_recipe, self.metrics["casts"],
+                                      self.metrics["cast_gradient"], self._tp_mesh,
+                                      all(dist.get_rank(g) == 0 for g in self._dp_groups))
 
     # ------------------------------------------------------------------------------------------------------
     # public
@@ -198,6 +203,7 @@ class OutlierProbe:
                 handles += [norm.register_forward_hook(norm_hook(n)) for n, norm in self._pre_attention_norms()]
         if self.metrics["down_proj"]:
             handles += [lin.register_forward_hook(down_hook(n)) for n, lin in down_projections(self.model).items()]
+        handles += self.casts.hooks(res, rep, streams, seq_len)
         hooked: list[Attention] = []
         saved: dict[Attention, object] = {}
         try:
@@ -220,6 +226,9 @@ class OutlierProbe:
                 m.logit_hook = saved.get(m)
         if streams is not None:
             for key, g in self._stream_gradients(logits, tokens, streams).items():
+                if isinstance(key, tuple) and key[0] == lowprec.CASTS:
+                    self.casts.gradient(res, key, g, seq_len)
+                    continue
                 reads, name = key if isinstance(key, tuple) else ("gradient", key)
                 x, r = self._full_residual(g, seq_len)
                 rep["res"] |= r
@@ -297,6 +306,9 @@ class OutlierProbe:
             layers, columns = panel.panel_rows(scalars)
             if columns:
                 images[f"{PREFIX}/sinks_vs_massive"] = sinks_massive_image(layers, columns, panel.SHARES)
+            layers, columns, table = lowprec.picture_rows(scalars, PREFIX)
+            if columns:
+                images[f"{PREFIX}/lowprec"] = lowprec_image(layers, columns, table)
         return scalars, images
 
     # ------------------------------------------------------------------------------------------------------
