@@ -103,6 +103,7 @@ def test_a_function_level_cycle_is_found(tmp_path):
 
 LAYERS = (
     ("errors", "exit_codes", "options", "plugins", "tensors", "linalg", "packaged", "provenance", "preempt", "cli"),
+    ("lowprec",),  # the formats and recipes (config's [low_precision] choices come from them)
     ("config",),
     ("data",),
     ("models",),
