@@ -125,10 +125,11 @@ def test_cast_metrics_equal_float64_on_the_captured_tensors(recipe):
                 assert got == pytest.approx(v, rel=1e-9, abs=1e-12), (layer, group, cls, q)
     assert scalars[f"outliers/{lowprec.name('act', 'mlp', 'snr_db')}"] == pytest.approx(
         np.mean([scalars[f"outliers/layer_{n}/lp_act_mlp_snr_db"] for n in model.layers]), rel=1e-12)
-    if recipe == "fp8_tensorwise":  # amax scaling: at most the amax element itself (x * 448 / amax rounds up)
-        assert scalars["outliers/layer_0/lp_act_mlp_saturation"] < 1e-4
-    else:  # power-of-two / E4M3 block scales leave elements past the format's max
-        assert scalars["outliers/layer_0/lp_act_mlp_saturation"] > 0.0
+    saturated = scalars["outliers/layer_0/lp_act_mlp_saturation"]
+    if recipe == "mxfp4":  # E8M0 scales floor the block amax to a power of two: E2M1 blocks past 6 + 1 clamp
+        assert saturated > 0.0
+    else:  # amax scales (FP8 tensorwise; NVFP4's E4M3 block scale, off by < 1/16) clamp nothing
+        assert saturated == 0.0
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
@@ -184,6 +185,12 @@ def test_an_unknown_recipe_is_one_line_naming_the_choices():
                                           r"bf16, fp8_rowwise") as e:
         OutlierProbe(tiny_model(), Observe(lowprec_recipe="fp6"))
     assert "\n" not in str(e.value)
+    from outlier_titan.config.manager import parse_args
+
+    with pytest.raises(ConfigError, match=r"^observe.lowprec_recipe = 'fp6' is not a recipe"):  # the dry run's too
+        parse_args(["--config", "train_configs/debug.toml", "--observe.lowprec_recipe", "fp6"])
+    assert parse_args(["--config", "train_configs/debug.toml", "--observe.lowprec_recipe", "mxfp4"]
+                      ).observe.lowprec_recipe == "mxfp4"
 
 
 def test_registry_entries():

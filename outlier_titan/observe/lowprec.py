@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from outlier_titan.errors import ConfigError
+from outlier_titan.config.manager import check_lowprec_recipe
 from outlier_titan.models.layers import Attention
 from outlier_titan.observe.metrics import CastInput, Headline, add_sums, register_metric
 
@@ -62,11 +62,9 @@ def name(cls: str, group: str, quantity: str) -> str:
 
 def recipe_named(key: str):
     """The recipe ``observe.lowprec_recipe`` names; one-line ConfigError for an unknown one."""
-    from outlier_titan.lowprec.recipes import PRECISIONS, RECIPES
+    from outlier_titan.lowprec.recipes import RECIPES
 
-    if key not in RECIPES:
-        raise ConfigError(f"observe.lowprec_recipe = {key!r} is not a recipe; choose one of: "
-                          f"{', '.join(PRECISIONS)} (or leave it empty for the run's own)")
+    check_lowprec_recipe(key)
     return RECIPES[key]
 
 

@@ -28,7 +28,8 @@ TP all-reduce.
 Scalars (identical on all ranks): ``outliers/layer_<i>/<name>`` per block, ``outliers/head_input/<name>``
 for the pre-head input (residual metrics), and ``outliers/<name>`` = the mean over blocks (the papers' "averaged across
 layers"; the head input is not in the mean). Images (full mode, global rank 0 only): ``outliers/attention_map``,
-``outliers/hidden_magnitude`` and ``outliers/sinks_vs_massive`` (:mod:`outlier_titan.observe.panel`), labelled HWC
+``outliers/hidden_magnitude``, ``outliers/sinks_vs_massive`` (:mod:`outlier_titan.observe.panel`) and
+``outliers/lowprec``, labelled HWC
 uint8 pictures (:mod:`outlier_titan.observe.pictures`).
 
 With ``observe.gradients`` the forward keeps autograd on, the hooks also keep the residual tensors, and one
@@ -36,6 +37,12 @@ With ``observe.gradients`` the forward keeps autograd on, the hooks also keep th
 residual stream (gathered under TP, counted on TP rank 0; :mod:`outlier_titan.observe.gradients`). The same
 backward gives the gradient of each block's pre-attention norm output (``pre_attention_norm``: what wq / wk / wv
 read), the ``attention_input_gradient`` input of Chen, Lin, Yao 2026's gradient-sink ratio.
+
+Low-precision casts (:mod:`outlier_titan.observe.lowprec`): a forward hook on every cast module (``lowprec_recipe``,
+or with ``observe.lowprec_recipe`` every linear map of a BF16 model's blocks) reduces its whole input and weight
+(gathered under TP, counted once) to the ``casts`` sums of its block; with ``observe.gradients`` the module outputs
+join the backward's inputs and their gradients give the ``cast_gradient`` sums. Picture (full mode, rank 0):
+``outliers/lowprec``.
 """
 
 from __future__ import annotations
