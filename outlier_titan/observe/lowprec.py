@@ -41,6 +41,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from outlier_titan.config.manager import check_lowprec_recipe
+from outlier_titan.lowprec.formats import cast_stats
+from outlier_titan.lowprec.recipes import RECIPES
 from outlier_titan.models.layers import Attention
 from outlier_titan.observe.metrics import CastInput, Headline, add_sums, register_metric
 
@@ -62,8 +64,6 @@ def name(cls: str, group: str, quantity: str) -> str:
 
 def recipe_named(key: str):
     """The recipe ``observe.lowprec_recipe`` names; one-line ConfigError for an unknown one."""
-    from outlier_titan.lowprec.recipes import RECIPES
-
     check_lowprec_recipe(key)
     return RECIPES[key]
 
@@ -123,6 +123,7 @@ class CastTaps:
         """Forward hooks that add each cast module's sums to ``res[layer]`` (and keep its output in ``streams``
         for the backward); ``rep["res"]``: the gathered tensors are the same on every TP rank."""
         seen: set = set()  # a module's first call only (an activation-checkpointing recompute calls it again)
+        last: dict = {}  # the last input gathered, and its casts' statistics: wq, wk and wv read one tensor
 
         def hook(layer, mod_name):
             recipe, group, _ = self.found[(layer, mod_name)]
@@ -134,9 +135,12 @@ class CastTaps:
                 rep["res"] |= self.tp_mesh is not None
                 if self.forward:
                     x, w = inputs[0], module.weight
-                    shape = (*x.shape[:-2], seq_len, w.shape[1]) if x.dim() >= 3 else (*x.shape[:-1], w.shape[1])
-                    inp = CastInput(recipe, group, act=whole(x, shape, self.tp_mesh),
-                                    weight=whole(w, tuple(w.shape), self.tp_mesh), weight_counted=self.weight_counted)
+                    if last.get("source") is not x:
+                        shape = (*x.shape[:-2], seq_len, w.shape[1]) if x.dim() >= 3 else (*x.shape[:-1], w.shape[1])
+                        last.clear()
+                        last.update(source=x, act=whole(x, shape, self.tp_mesh), shared={})
+                    inp = CastInput(recipe, group, act=last["act"], weight=whole(w, tuple(w.shape), self.tp_mesh),
+                                    weight_counted=self.weight_counted, shared=last["shared"])
                     _add(res, layer, {m.key: m.sums(inp) for m in self.forward})
                 if streams is not None and self.backward:
                     streams[(CASTS, layer, mod_name)] = output
@@ -163,14 +167,13 @@ def _sums(cls: str):
     def sums(inp: CastInput) -> dict[str, torch.Tensor]:
         """One module's cast of ``cls`` as sums laid out for both groups (the other group's are empty), so that a
         block's modules add up per group."""
-        from outlier_titan.lowprec.formats import cast_stats
-
         x = getattr(inp, cls)
         cast = getattr(inp.recipe, CLASSES[cls])
-        if cls == "weight" or (cast.scaling != "tensor" and cast.scale != "e4m3"):
-            s = cast_stats(x, cast, -1)  # row and block scales: the same for a batch and for its sequences
-        else:  # a tensor-level scale (FP8 tensorwise, NVFP4's FP32 one): per sequence, whatever the ranks' split
-            s = _pooled([cast_stats(seq, cast, -1) for seq in x])
+        s = inp.shared.get((cls, cast))
+        if s is None:
+            s = _stats(x, cast, per_sequence=cls != "weight")
+            if cls == "act":  # the next module reading this input with this cast reuses it
+                inp.shared[(cls, cast)] = s
         keep = 0.0 if cls == "weight" and not inp.weight_counted else 1.0
         zero, low = s["n"].new_zeros(()), s["n"].new_full((), float("-inf"))
         out = {}
@@ -182,6 +185,15 @@ def _sums(cls: str):
             out.update({f"max_{g}_{k}": seen[k] if mine else low for k in MAXED})
         return out
     return sums
+
+
+def _stats(x: torch.Tensor, cast, per_sequence: bool) -> dict[str, torch.Tensor]:
+    """cast_stats of ``x`` along its last axis; a tensor-level scale (FP8 tensorwise, NVFP4's FP32 one) of an
+    activation or gradient per sequence, whatever the ranks' split (row and block scales are per token: the same
+    for a batch and for its sequences)."""
+    if per_sequence and (cast.scaling == "tensor" or cast.scale == "e4m3"):
+        return _pooled([cast_stats(seq, cast, -1) for seq in x])
+    return cast_stats(x, cast, -1)
 
 
 def _pooled(stats: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -135,12 +135,14 @@ class CastInput:
     ``group`` (``attn`` or ``mlp``), and the whole tensors (gathered under TP) of the forward input ``act``
     [B, T, in], the ``weight`` [out, in] and the output gradient ``grad`` [B, T, out] (the latter only in the
     probe's backward). ``weight_counted``: False on the ranks whose weight another rank already counts (the weight
-    is the same on every data-parallel rank)."""
+    is the same on every data-parallel rank). ``shared``: a dict that modules reading the same ``act`` share (wq,
+    wk and wv), where a metric may keep what it computed from ``act``."""
 
     def __init__(self, recipe, group: str, act: torch.Tensor | None = None, weight: torch.Tensor | None = None,
-                 grad: torch.Tensor | None = None, weight_counted: bool = True):
+                 grad: torch.Tensor | None = None, weight_counted: bool = True, shared: dict | None = None):
         self.recipe, self.group, self.act, self.weight, self.grad = recipe, group, act, weight, grad
         self.weight_counted = weight_counted
+        self.shared = {} if shared is None else shared
 
 
 INPUTS = {"residual": ResidualInput, "attention": AttentionInput, "heads": HeadsInput, "logits": LogitsInput,

@@ -11,7 +11,7 @@
   massive-activation magnitudes (:mod:`outlier_titan.observe.panel`).
 * :func:`lowprec_image`: per layer (rows) and cast tensor class x module group (columns), the underflow share,
   the saturation share and the quantisation SNR of the low-precision casts (:mod:`outlier_titan.observe.lowprec`),
-  three heatmaps with the values written in the cells.
+  three heatmaps.
 
 matplotlib (Agg, no display) is imported on the first picture only.
 """
@@ -141,29 +141,29 @@ def sinks_massive_image(layers: list[str], columns: dict[str, list[float]], shar
 
 def lowprec_image(layers: list[str], columns: list[str], table: dict[str, list[list[float]]],
                   dpi: int = 100) -> np.ndarray:
-    """Heatmaps [layers x columns] of ``table``'s ``underflow`` and ``saturation`` shares (fixed [0, 1] scale) and
-    ``snr_db`` (its own range), values in the cells (blank: no such cast) -> [H, W, 3] uint8, labelled."""
+    """Heatmaps [layers x columns] of ``table``'s ``underflow`` and ``saturation`` shares and ``snr_db``, each on
+    its own range (in its title; shares from 0), blank where a cast is absent -> [H, W, 3] uint8, labelled. (No
+    values in the cells: the scalars carry them, and text is most of a picture's drawing time.)"""
     if not layers or not columns:
         raise ValueError("the low-precision picture needs at least one layer and one column")
     plt = _pyplot()
-    panels = (("underflow", "underflow share (nonzero -> 0)", "Reds", (0.0, 1.0)),
-              ("saturation", "saturation share (clamped at max)", "Oranges", (0.0, 1.0)),
-              ("snr_db", "quantisation SNR (dB)", "viridis", None))
-    width = 3.0 + 3 * max(2.4, 0.55 * len(columns))
-    fig, axes = plt.subplots(1, 3, figsize=(width, 1.8 + 0.3 * len(layers)), dpi=dpi, layout="constrained")
-    for ax, (key, title, cmap, scale) in zip(axes, panels):
+    panels = (("underflow", "underflow share (nonzero -> 0)", "Reds", True),
+              ("saturation", "saturation share (clamped at max)", "Oranges", True),
+              ("snr_db", "quantisation SNR (dB)", "viridis", False))
+    fig, axes = plt.subplots(1, 3, figsize=(3.0 + 3 * max(2.2, 0.45 * len(columns)), 2.0 + 0.25 * len(layers)),
+                             dpi=dpi)
+    for ax, (key, title, cmap, share) in zip(axes, panels):
         a = np.asarray(table[key], dtype=np.float64)
         finite = a[np.isfinite(a)]
-        lo, hi = scale or ((float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0))
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        lo = 0.0 if share else lo
         im = ax.imshow(np.ma.masked_invalid(a), aspect="auto", cmap=cmap, vmin=lo, vmax=hi if hi > lo else lo + 1,
                        interpolation="nearest")
-        for (i, j), v in np.ndenumerate(a):
-            if not np.isnan(v):
-                ax.text(j, i, f"{v:.2g}" if key != "snr_db" else f"{v:.1f}", ha="center", va="center", fontsize=6)
         ax.set_xticks(range(len(columns)), columns, rotation=45, ha="right", fontsize=7)
         ax.set_yticks(range(len(layers)), layers, fontsize=7)
-        ax.set_ylabel("layer")
-        ax.set_title(title, fontsize=9, loc="left")
+        ax.set_ylabel("layer", fontsize=8)
+        ax.set_title(f"{title}: {lo:.3g} to {hi:.3g}", fontsize=8, loc="left")
         fig.colorbar(im, ax=ax, shrink=0.8)
     fig.suptitle("low-precision casts per layer: tensor class (act / weight / grad) x module group", fontsize=9)
+    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.3, top=0.82, wspace=0.35)
     return _to_array(fig)
