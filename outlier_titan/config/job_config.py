@@ -273,9 +273,11 @@ class Observe:
                                   "saturation shares, SNR dB, block dynamic range; docs/low_precision.md). Empty: "
                                   "the run's own [low_precision] recipe (nothing in a bf16 run); 'bf16': off; a "
                                   "recipe name (fp8_rowwise, mxfp4, ...): the cast modules, or in a bf16 run every "
-                                  "linear map of the blocks, measured as that recipe would cast them, the "
-                                  "predictor of FOG (Hernandez-Cano et al. 2025, arXiv 2505.20524). The gradient "
-                                  "class needs observe.gradients.")
+                                  "linear map of the blocks, measured as that recipe would cast them: whether a "
+                                  "run's tensors would survive a format, which FOG (Hernandez-Cano et al. 2025, "
+                                  "arXiv 2505.20524) watches through the activations' kurtosis; we measure the cast "
+                                  "itself. Tensor-level scales are taken per probe sequence (the same at any "
+                                  "layout). The gradient class needs observe.gradients.")
 
 
 @dataclass
