@@ -198,6 +198,8 @@ def test_registry_entries():
         m = metrics.get_metric(f"lowprec_{cls}")
         assert m.reads == reads and m.mode == "cheap" and len(m.names) == 2 * len(lowprec.QUANTITIES)
         assert lowprec.name(cls, "attn", "snr_db") in metrics.shown("collect")
+        assert (lowprec.name(cls, "mlp", "underflow") in metrics.shown("collect")) == (cls != "weight")
+        assert not any(n.startswith("lp_") for n in metrics.shown("plot"))  # BF16 runs' default panels unchanged
     assert metrics.active(Observe(mode="cheap"), "cast_gradient") == []
     assert [m.key for m in metrics.active(Observe(mode="cheap", gradients=True), "cast_gradient")] == ["lowprec_grad"]
 

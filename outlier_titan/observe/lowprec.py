@@ -248,8 +248,9 @@ for _rank, _cls in enumerate(CLASSES):
         f"lowprec_{_cls}", _names, "cast_gradient" if _cls == "grad" else "casts", _sums(_cls), _finalize(_cls),
         label=f"low-precision cast of the {_read}: amax, scales, underflow / saturation shares, SNR dB, "
               "block dynamic range", lower_is_better=None,
-        shown={k: tuple(name(_cls, g, q) for g in GROUPS for q in ("snr_db", "underflow", "saturation"))
-               for k in ("collect", "plot")},
+        # a sweep's final_ / peak_ columns (not scripts/analyze.py's default panels: a BF16 run has none of these)
+        shown={"collect": tuple(name(_cls, g, q) for g in GROUPS
+                                for q in ("snr_db",) + (("underflow",) if _cls != "weight" else ()))},
         headline=(Headline(f"{_cls} SNR dB", (name(_cls, "attn", "snr_db"), name(_cls, "mlp", "snr_db")), 20 + _rank),
                   *([] if _cls == "weight" else  # the weights' cast hardly changes from probe to probe
                     [Headline(f"{_cls} underflow", (name(_cls, "attn", "underflow"), name(_cls, "mlp", "underflow")),
