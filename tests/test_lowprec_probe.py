@@ -249,15 +249,24 @@ def test_trainer_logs_the_cast_metrics_to_jsonl_tensorboard_and_console(tmp_path
     assert "act SNR dB" in run.stdout and "grad underflow" in run.stdout
 
 
-def test_activation_checkpointing_gives_the_same_casts():
-    """A checkpointed block's recompute in the probe's backward calls the cast modules again: counted once."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_activation_checkpointing_gives_the_same_casts(compiled):
+    """A checkpointed block's recompute in the probe's backward calls the cast modules again: counted once; the
+    trainer's compiled blocks (AOT autograd) run the hooks eagerly and give the same values."""
     from outlier_titan.parallel.parallelize import apply_activation_checkpointing
 
     tok, cfg = tokens(), Observe(mode="cheap", gradients=True)
     want, _ = OutlierProbe(tiny_model(recipe="mxfp4"), cfg).run(tok)
     model = tiny_model(recipe="mxfp4")
     apply_activation_checkpointing(model, "full", 1)
-    got, _ = OutlierProbe(model, cfg).run(tok)
+    if compiled:
+        torch._dynamo.reset()
+        for block in model.layers.values():
+            block.compile(backend="aot_eager")
+    probe = OutlierProbe(model, cfg)
+    probe.run(tok)
+    got, _ = probe.run(tok)  # the second run: compiled graphs in place
+    torch._dynamo.reset()
     assert got.keys() == want.keys() and "outliers/lp_grad_attn_snr_db" in got
     assert all(got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-15) for k in want)
 
