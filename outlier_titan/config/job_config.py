@@ -269,6 +269,16 @@ class Observe:
                                  "over the full batch' as that sum, so it can depend on observe.batch_size) and our two "
                                  "per-sequence readings on the residual stream, the first token's share of ||g||^2 "
                                  "and ||g_0|| / mean_t>0 ||g_t||. Off by default: it costs a backward.")
+    lowprec_recipe: str = opt("", "The low-precision recipe whose casts the probe measures (per block, attention / "
+                                  "MLP modules, activation / weight / output gradient: amax, scales, underflow and "
+                                  "saturation shares, SNR dB, block dynamic range; docs/low_precision.md). Empty: "
+                                  "the run's own [low_precision] recipe (nothing in a bf16 run); 'bf16': off; a "
+                                  "recipe name (fp8_rowwise, mxfp4, ...): the cast modules, or in a bf16 run every "
+                                  "linear map of the blocks, measured as that recipe would cast them: whether a "
+                                  "run's tensors would survive a format, which FOG (Hernandez-Cano et al. 2025, "
+                                  "arXiv 2505.20524) watches through the activations' kurtosis; we measure the cast "
+                                  "itself. Tensor-level scales are taken per probe sequence (the same at any "
+                                  "layout). The gradient class needs observe.gradients.")
 
 
 def _recipes_help() -> str:

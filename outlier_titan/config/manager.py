@@ -218,6 +218,18 @@ def _plugin_paths(from_toml: Any, config_file: str | None, overrides: list[tuple
     return absolute(entries, folder)
 
 
+def check_lowprec_recipe(name: str) -> None:
+    """``observe.lowprec_recipe``: empty (the run's own) or a precision; one-line ConfigError otherwise (the recipes
+    import torch: only when the option is set)."""
+    if not name:
+        return
+    from outlier_titan.lowprec.recipes import PRECISIONS
+
+    if name not in PRECISIONS:
+        raise ConfigError(f"observe.lowprec_recipe = {name!r} is not a recipe; choose one of: {', '.join(PRECISIONS)} "
+                          "(or leave it empty for the run's own)")
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks values and combinations that the types alone do not catch."""
     t, p = cfg.training, cfg.parallelism
@@ -245,6 +257,7 @@ def validate(cfg: JobConfig) -> None:
     positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, allow_zero=True)
     positive("eval.every", cfg.eval.every, allow_zero=True)
     positive("observe.every", cfg.observe.every, allow_zero=True)
+    check_lowprec_recipe(cfg.observe.lowprec_recipe)
     for name in ("beta1", "beta2"):
         b = getattr(cfg.optimizer, name)
         if not 0 <= b < 1:

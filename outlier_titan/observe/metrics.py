@@ -30,9 +30,11 @@ F64 = torch.float64
 TINY = torch.finfo(F64).tiny
 ACROSS_LAYERS = {"mean": lambda v: sum(v) / len(v), "max": max, "median": statistics.median}
 """How ``outliers/<name>`` combines the blocks' values (a metric's ``across_layers``)."""
-READS = ("residual", "attention", "heads", "gradient", "attention_input_gradient", "logits", "down_proj")
+READS = ("residual", "attention", "heads", "gradient", "attention_input_gradient", "logits", "down_proj", "casts",
+         "cast_gradient")
 STREAMS = ("residual", "gradient", "attention_input_gradient")  # [B, T, D] inputs read by the cheap probe
-GRADIENTS = ("gradient", "attention_input_gradient")  # inputs that exist only with ``observe.gradients``
+CHEAP = STREAMS + ("casts", "cast_gradient")  # inputs the cheap probe reads (the casts: observe/lowprec.py)
+GRADIENTS = ("gradient", "attention_input_gradient", "cast_gradient")  # exist only with ``observe.gradients``
 MODES = ("cheap", "full")
 SHOWN = ("report", "collect", "plot", "profile")
 
@@ -128,10 +130,27 @@ class DownProjInput:
         return self.x_in.new_full((), float(n), dtype=F64)
 
 
+class CastInput:
+    """One low-precision cast module's operands as its GEMMs cast them: ``recipe`` (a ``lowprec.recipes.Recipe``),
+    ``group`` (``attn`` or ``mlp``), and the whole tensors (gathered under TP) of the forward input ``act``
+    [B, T, in], the ``weight`` [out, in] and the output gradient ``grad`` [B, T, out] (the latter only in the
+    probe's backward). ``weight_counted``: False on the ranks whose weight another rank already counts (the weight
+    is the same on every data-parallel rank). ``shared``: a dict that modules reading the same ``act`` share (wq,
+    wk and wv), where a metric may keep what it computed from ``act``."""
+
+    def __init__(self, recipe, group: str, act: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                 grad: torch.Tensor | None = None, weight_counted: bool = True, shared: dict | None = None):
+        self.recipe, self.group, self.act, self.weight, self.grad = recipe, group, act, weight, grad
+        self.weight_counted = weight_counted
+        self.shared = {} if shared is None else shared
+
+
 INPUTS = {"residual": ResidualInput, "attention": AttentionInput, "heads": HeadsInput, "logits": LogitsInput,
           "down_proj": DownProjInput,
           # the gradient of the loss w.r.t. the residual stream, and w.r.t. each block's pre-attention norm output
-          "gradient": ResidualInput, "attention_input_gradient": ResidualInput}
+          "gradient": ResidualInput, "attention_input_gradient": ResidualInput,
+          # each cast module's GEMM operands (forward) and output gradient (the probe's backward)
+          "casts": CastInput, "cast_gradient": CastInput}
 
 
 def is_max(key: str) -> bool:
@@ -165,7 +184,8 @@ class Metric:
     ``down_proj`` (:class:`DownProjInput`), ``gradient`` (a :class:`ResidualInput` of the loss gradient w.r.t. the
     same tensors as ``residual``) or ``attention_input_gradient`` (the loss gradient w.r.t. each block's
     pre-attention norm output, what wq / wk / wv read; blocks without a pre-attention norm have none); the gradients
-    only with ``observe.gradients``, which costs a backward."""
+    only with ``observe.gradients``, which costs a backward; ``casts`` (:class:`CastInput`: every low-precision
+    cast module's input and weight) or ``cast_gradient`` (its output gradient, with ``observe.gradients``)."""
     sums: Callable[[Any], dict[str, torch.Tensor]]
     """Input -> float64 sums of one layer. A ``head_*`` key is an [H] vector over this rank's heads; the probe lays
     it out at the global head positions under tensor parallelism. A ``max_*`` key (``max_head_*`` per head) is a
@@ -229,12 +249,12 @@ def register_metric(key: str, names, reads: str, sums: Callable, finalize: Calla
                     replace: bool = False) -> Metric:
     """Adds a metric to the probe, the evaluator, sweep results and ``scripts/analyze.py`` (see :class:`Metric`);
     ``shown`` maps a place to names or ``(name, rank)`` pairs; ``mode`` defaults to ``cheap`` for the residual
-    stream and ``full`` otherwise."""
+    stream and the casts and ``full`` otherwise."""
     names = (names,) if isinstance(names, str) else tuple(names)
-    mode = mode or ("cheap" if reads in STREAMS else "full")
+    mode = mode or ("cheap" if reads in CHEAP else "full")
     if reads not in READS:
         raise UserError(f"metric {key!r}: reads must be one of {', '.join(READS)}, not {reads!r}")
-    if mode not in MODES or (reads not in STREAMS and mode != "full"):
+    if mode not in MODES or (reads not in CHEAP and mode != "full"):
         raise UserError(f"metric {key!r}: mode must be 'full' for {reads} inputs (the cheap probe has none)"
                         if mode in MODES else f"metric {key!r}: mode must be one of {', '.join(MODES)}")
     shown = {k: tuple((n, 0) if isinstance(n, str) else tuple(n) for n in v) for k, v in (shown or {}).items()}

@@ -9,6 +9,9 @@
   1st percentile to the maximum of these magnitudes; its range is written in the title and on the colour bar.
 * :func:`sinks_massive_image`: per layer, the attention-sink shares and the gradient sink beside the
   massive-activation magnitudes (:mod:`outlier_titan.observe.panel`).
+* :func:`lowprec_image`: per layer (rows) and cast tensor class x module group (columns), the underflow share,
+  the saturation share and the quantisation SNR of the low-precision casts (:mod:`outlier_titan.observe.lowprec`),
+  three heatmaps.
 
 matplotlib (Agg, no display) is imported on the first picture only.
 """
@@ -133,4 +136,34 @@ def sinks_massive_image(layers: list[str], columns: dict[str, list[float]], shar
             ax.legend(fontsize=7, loc="best")
     left.set_title("attention sinks and the gradient sink (dashed)", fontsize=9, loc="left")
     right.set_title("massive activations", fontsize=9, loc="left")
+    return _to_array(fig)
+
+
+def lowprec_image(layers: list[str], columns: list[str], table: dict[str, list[list[float]]],
+                  dpi: int = 100) -> np.ndarray:
+    """Heatmaps [layers x columns] of ``table``'s ``underflow`` and ``saturation`` shares and ``snr_db``, each on
+    its own range (in its title; shares from 0), blank where a cast is absent -> [H, W, 3] uint8, labelled. (No
+    values in the cells: the scalars carry them, and text is most of a picture's drawing time.)"""
+    if not layers or not columns:
+        raise ValueError("the low-precision picture needs at least one layer and one column")
+    plt = _pyplot()
+    panels = (("underflow", "underflow share (nonzero -> 0)", "Reds", True),
+              ("saturation", "saturation share (clamped at max)", "Oranges", True),
+              ("snr_db", "quantisation SNR (dB)", "viridis", False))
+    fig, axes = plt.subplots(1, 3, figsize=(3.0 + 3 * max(2.2, 0.45 * len(columns)), 2.0 + 0.25 * len(layers)),
+                             dpi=dpi)
+    for ax, (key, title, cmap, share) in zip(axes, panels):
+        a = np.asarray(table[key], dtype=np.float64)
+        finite = a[np.isfinite(a)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        lo = 0.0 if share else lo
+        im = ax.imshow(np.ma.masked_invalid(a), aspect="auto", cmap=cmap, vmin=lo, vmax=hi if hi > lo else lo + 1,
+                       interpolation="nearest")
+        ax.set_xticks(range(len(columns)), columns, rotation=45, ha="right", fontsize=7)
+        ax.set_yticks(range(len(layers)), layers, fontsize=7)
+        ax.set_ylabel("layer", fontsize=8)
+        ax.set_title(f"{title}: {lo:.3g} to {hi:.3g}", fontsize=8, loc="left")
+        fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.suptitle("low-precision casts per layer: tensor class (act / weight / grad) x module group", fontsize=9)
+    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.3, top=0.82, wspace=0.35)
     return _to_array(fig)

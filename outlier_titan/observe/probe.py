@@ -28,7 +28,8 @@ TP all-reduce.
 Scalars (identical on all ranks): ``outliers/layer_<i>/<name>`` per block, ``outliers/head_input/<name>``
 for the pre-head input (residual metrics), and ``outliers/<name>`` = the mean over blocks (the papers' "averaged across
 layers"; the head input is not in the mean). Images (full mode, global rank 0 only): ``outliers/attention_map``,
-``outliers/hidden_magnitude`` and ``outliers/sinks_vs_massive`` (:mod:`outlier_titan.observe.panel`), labelled HWC
+``outliers/hidden_magnitude``, ``outliers/sinks_vs_massive`` (:mod:`outlier_titan.observe.panel`) and
+``outliers/lowprec``, labelled HWC
 uint8 pictures (:mod:`outlier_titan.observe.pictures`).
 
 With ``observe.gradients`` the forward keeps autograd on, the hooks also keep the residual tensors, and one
@@ -36,6 +37,12 @@ With ``observe.gradients`` the forward keeps autograd on, the hooks also keep th
 residual stream (gathered under TP, counted on TP rank 0; :mod:`outlier_titan.observe.gradients`). The same
 backward gives the gradient of each block's pre-attention norm output (``pre_attention_norm``: what wq / wk / wv
 read), the ``attention_input_gradient`` input of Chen, Lin, Yao 2026's gradient-sink ratio.
+
+Low-precision casts (:mod:`outlier_titan.observe.lowprec`): a forward hook on every cast module (``lowprec_recipe``,
+or with ``observe.lowprec_recipe`` every linear map of a BF16 model's blocks) reduces its whole input and weight
+(gathered under TP, counted once) to the ``casts`` sums of its block; with ``observe.gradients`` the module outputs
+join the backward's inputs and their gradients give the ``cast_gradient`` sums. Picture (full mode, rank 0):
+``outliers/lowprec``.
 """
 
 from __future__ import annotations
@@ -55,11 +62,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 from outlier_titan.config.job_config import Observe
 from outlier_titan.models.attention_variants import get_variant
 from outlier_titan.models.layers import Attention
-from outlier_titan.observe import metrics
+from outlier_titan.observe import lowprec, metrics
 from outlier_titan.observe.metrics import F64
 from outlier_titan.observe import outliers as om
 from outlier_titan.observe import panel
-from outlier_titan.observe.pictures import attention_map_image, hidden_magnitude_image, sinks_massive_image
+from outlier_titan.observe.pictures import (attention_map_image, hidden_magnitude_image, lowprec_image,
+                                            sinks_massive_image)
 from outlier_titan.observe.super_weights import down_projections
 
 PREFIX = "outliers"
@@ -80,6 +88,10 @@ class OutlierProbe:
             name: [m for m in block.modules() if isinstance(m, Attention)] for name, block in model.layers.items()}
         self._dp_groups, self._tp_group, self._tp_rank = self._groups(mesh)
         self._tp_mesh = mesh["tp"] if self._tp_group is not None else None
+        # the low-precision casts (observe/lowprec.py); a weight is the same on every DP rank: DP rank 0 counts it
+        self.casts = lowprec.CastTaps(model, self.cfg.lowprec_recipe, self.metrics["casts"],
+                                      self.metrics["cast_gradient"], self._tp_mesh,
+                                      all(dist.get_rank(g) == 0 for g in self._dp_groups))
 
     # ------------------------------------------------------------------------------------------------------
     # public
@@ -198,6 +210,7 @@ class OutlierProbe:
                 handles += [norm.register_forward_hook(norm_hook(n)) for n, norm in self._pre_attention_norms()]
         if self.metrics["down_proj"]:
             handles += [lin.register_forward_hook(down_hook(n)) for n, lin in down_projections(self.model).items()]
+        handles += self.casts.hooks(res, rep, streams, seq_len)
         hooked: list[Attention] = []
         saved: dict[Attention, object] = {}
         try:
@@ -220,6 +233,9 @@ class OutlierProbe:
                 m.logit_hook = saved.get(m)
         if streams is not None:
             for key, g in self._stream_gradients(logits, tokens, streams).items():
+                if isinstance(key, tuple) and key[0] == lowprec.CASTS:
+                    self.casts.gradient(res, key, g, seq_len)
+                    continue
                 reads, name = key if isinstance(key, tuple) else ("gradient", key)
                 x, r = self._full_residual(g, seq_len)
                 rep["res"] |= r
@@ -297,6 +313,9 @@ class OutlierProbe:
             layers, columns = panel.panel_rows(scalars)
             if columns:
                 images[f"{PREFIX}/sinks_vs_massive"] = sinks_massive_image(layers, columns, panel.SHARES)
+            layers, columns, table = lowprec.picture_rows(scalars, PREFIX)
+            if columns:
+                images[f"{PREFIX}/lowprec"] = lowprec_image(layers, columns, table)
         return scalars, images
 
     # ------------------------------------------------------------------------------------------------------

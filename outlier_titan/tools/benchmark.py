@@ -4,6 +4,7 @@ a minimal plain-PyTorch loop, and OrthoAdam's whole step against AdamW's.
 
     outlier-titan-benchmark optim [--shapes gpt2_124m,debug] [--tile-sizes 256,64] [--reps 5] [--markdown FILE]
     outlier-titan-benchmark probe [--every 100] [--steps 40] [--probes 8] [--mode full] [--gradients]
+                                  [--lowprec-recipe mxfp4]   # the low-precision casts' statistics too
     outlier-titan-benchmark step [--steps 20] [--optimizers adamw,orthoadam]
     outlier-titan-benchmark soap-ab BEFORE_CHECKOUT [--steps 10]   # SOAP before/after in one process
     outlier-titan-benchmark compile-math [--scale gpt2] [--step-pairs 12]   # eager vs compiled element-wise math
@@ -17,6 +18,8 @@ optimizer, LR schedule) and plain steps on the same batch run interleaved; media
 
 ``probe`` builds the debug-run trainer in this process (world size 1), times training steps and probe runs
 interleaved in one run, and reports the throughput drop at ``observe.every = N``: probe time / (N x step time).
+With ``--lowprec-recipe`` it also times the probe that measures a recipe's casts (``observe.lowprec_recipe``) on
+the BF16 debug model's block linear maps, and reports what those statistics add.
 
 For each shape set, AdamW (torch, foreach), OrthoAdam and SOAP step the *same* parameter tensors with the
 same gradients in one process; repetitions are interleaved (AdamW, OrthoAdam, SOAP, then OrthoAdam, SOAP, AdamW,
@@ -76,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--gradients", action="store_true",
                    help="also time the probe with observe.gradients (its backward), interleaved with the one without")
+    p.add_argument("--lowprec-recipe", default="",
+                   help="also time the probe measuring this recipe's casts (observe.lowprec_recipe), interleaved")
     st = sub.add_parser("step", help="trainer step vs a plain PyTorch loop; OrthoAdam vs AdamW whole steps",
                         formatter_class=cli.HelpFormatter)
     st.add_argument("--steps", type=int, default=20, help="timed steps per loop (interleaved)")

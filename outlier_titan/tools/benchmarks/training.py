@@ -17,13 +17,15 @@ from outlier_titan.packaged import configs_dir
 
 def run_probe(args, command: str) -> dict:
     """Median training-step time vs median probe time on the debug run, measured interleaved in one process (with
-    ``--gradients`` also the probe with ``observe.gradients``, interleaved with the one without)."""
+    ``--gradients`` also the probe with ``observe.gradients``, with ``--lowprec-recipe R`` also the probe measuring
+    the casts of recipe R, ``observe.lowprec_recipe``; each interleaved with the plain one)."""
     import tempfile
 
     from outlier_titan.config.manager import parse_args
     from outlier_titan.observe.probe import OutlierProbe
     from outlier_titan.trainer import Trainer
 
+    lowprec = getattr(args, "lowprec_recipe", "")
     with tempfile.TemporaryDirectory() as tmp:
         cfg = parse_args(["--config", str(configs_dir() / "debug.toml"), "--job.dump_folder", tmp,
                           "--checkpoint.enable", "false", "--eval.every", "0", "--metrics.tensorboard", "false",
@@ -31,10 +33,15 @@ def run_probe(args, command: str) -> dict:
                           "--training.steps", "1000000"])
         trainer = Trainer(cfg)
         trainer._build_probe()
-        probes = {False: trainer.probe}
-        if args.gradients:  # the same probe with observe.gradients, timed interleaved with the one without
-            probes[True] = OutlierProbe(trainer.model, dataclasses.replace(cfg.observe, gradients=True),
-                                        trainer.mesh)
+        variants = {"": {}}  # name -> the [observe] changes of a probe timed beside the plain one
+        if args.gradients:
+            variants["gradients"] = {"gradients": True}
+        if lowprec:
+            variants["lowprec"] = {"lowprec_recipe": lowprec}
+            if args.gradients:  # the casts' gradient class needs the backward
+                variants["lowprec_gradients"] = {"lowprec_recipe": lowprec, "gradients": True}
+        probes = {name: OutlierProbe(trainer.model, dataclasses.replace(cfg.observe, **changes), trainer.mesh)
+                  if changes else trainer.probe for name, changes in variants.items()}
         probe_every = max(1, args.steps // args.probes)
         step_times, probe_times = [], {g: [] for g in probes}
         for i in tqdm(range(args.warmup + args.steps), desc="probe benchmark", unit="step"):
@@ -52,20 +59,26 @@ def run_probe(args, command: str) -> dict:
     step = statistics.median(step_times)
     print(f"date {datetime.date.today()}  machine {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} thread(s), torch {torch.__version__}\ncommand: {command}")
-    print("| model | probe mode | observe.gradients | observe.every | train step (median) | probe (median) | "
-          "probe / step | throughput drop |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | probe mode | observe.gradients | observe.lowprec_recipe | observe.every | train step (median) | "
+          "probe (median) | probe / step | throughput drop |")
+    print("|---|---|---|---|---|---|---|---|---|")
     result = {"step_ms": 1e3 * step}
     for g, times in probe_times.items():
         probe = statistics.median(times)
-        tag = "_gradients" if g else ""
+        tag = f"_{g}" if g else ""
         result.update({f"probe{tag}_ms": 1e3 * probe, f"drop{tag}": probe / (args.every * step + probe)})
-        print(f"| debug (pre_ln, 16 x 256 tokens) | {args.mode} | {str(g).lower()} | {args.every} | "
-              f"{1e3 * step:.1f} ms | {1e3 * probe:.1f} ms | {probe / step:.3f} | "
-              f"{100 * result[f'drop{tag}']:.2f}% |")
-    if args.gradients:
-        result["gradients_over_probe"] = result["probe_gradients_ms"] / result["probe_ms"]
-        print(f"probe with gradients / probe without: {result['gradients_over_probe']:.2f}")
+        print(f"| debug (pre_ln, 16 x 256 tokens) | {args.mode} | {str('gradients' in g).lower()} | "
+              f"{lowprec if 'lowprec' in g else ''} | {args.every} | {1e3 * step:.1f} ms | {1e3 * probe:.1f} ms | "
+              f"{probe / step:.3f} | {100 * result[f'drop{tag}']:.2f}% |")
+    for g in probe_times:
+        if g:  # each variant against the plain probe
+            result[f"{g}_over_probe"] = result[f"probe_{g}_ms"] / result["probe_ms"]
+            print(f"probe with {g.replace('_', ' + ')} / probe without: {result[f'{g}_over_probe']:.2f}")
+    if lowprec:  # the casts' own share of a step, as observe.every = N costs it
+        added = result["probe_lowprec_ms"] - result["probe_ms"]
+        result["lowprec_drop"] = added / (args.every * 1e3 * step)
+        print(f"the casts' statistics alone: {added:.1f} ms a probe, {100 * result['lowprec_drop']:.2f}% of the "
+              f"steps at observe.every = {args.every}")
     return result
 
 
