@@ -359,3 +359,14 @@ def test_distributed_cast_metrics_equal_one_rank(world, layouts, tmp_path):
             assert noise <= got.keys()
             for r in range(world):
                 assert per_rank[r][key][0] == per_rank[0][key][0], (key, r)
+
+
+def test_the_mean_over_blocks_skips_blocks_left_in_bf16():
+    """NVFP4 keeps the last blocks in BF16 by default: the casts' outliers/<name> is the mean over the cast blocks
+    (a metric every block has still needs every block)."""
+    from outlier_titan.observe.metrics import layer_mean
+
+    snr = "lp_act_mlp_snr_db"
+    got = layer_mean([{snr: 20.0, "kurtosis_rest": 3.0}, {snr: 10.0, "kurtosis_rest": 5.0}, {"kurtosis_rest": 4.0}])
+    assert got == {snr: 15.0, "kurtosis_rest": 4.0}
+    assert "kurtosis_first" not in layer_mean([{"kurtosis_first": 3.0}, {}])

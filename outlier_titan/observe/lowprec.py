@@ -247,7 +247,7 @@ for _rank, _cls in enumerate(CLASSES):
     register_metric(
         f"lowprec_{_cls}", _names, "cast_gradient" if _cls == "grad" else "casts", _sums(_cls), _finalize(_cls),
         label=f"low-precision cast of the {_read}: amax, scales, underflow / saturation shares, SNR dB, "
-              "block dynamic range", lower_is_better=None,
+              "block dynamic range", lower_is_better=None, partial=True,  # blocks left in BF16 have none
         # a sweep's final_ / peak_ columns (not scripts/analyze.py's default panels: a BF16 run has none of these)
         shown={"collect": tuple(name(_cls, g, q) for g in GROUPS
                                 for q in ("snr_db",) + (("underflow",) if _cls != "weight" else ()))},

@@ -214,6 +214,9 @@ class Metric:
     """The names logged as ``outliers/<name>``, the mean over blocks (None: all; a channel index has no mean)."""
     pool: Callable[[dict, dict], dict] | None = None
     """Two batches' sums -> the sums of both (None: added); for sums that are maxima with what sits at them."""
+    partial: bool = False
+    """Some blocks may lack it (e.g. the low-precision casts where the last blocks stay in BF16): ``outliers/<name>``
+    is then over the blocks that have it; otherwise only a name every block has is combined."""
 
     def __call__(self, *tensors, **kw) -> dict[str, float]:
         """The direct form on one shard: finalise the sums of ``tensors`` (host float64)."""
@@ -246,7 +249,7 @@ def register_metric(key: str, names, reads: str, sums: Callable, finalize: Calla
                     lower_is_better: bool | None = True, mode: str | None = None, when: Callable | None = None,
                     shown: dict | None = None, headline=(), legacy: dict | None = None,
                     across_layers: str = "mean", averaged=None, pool: Callable | None = None,
-                    replace: bool = False) -> Metric:
+                    partial: bool = False, replace: bool = False) -> Metric:
     """Adds a metric to the probe, the evaluator, sweep results and ``scripts/analyze.py`` (see :class:`Metric`);
     ``shown`` maps a place to names or ``(name, rank)`` pairs; ``mode`` defaults to ``cheap`` for the residual
     stream and the casts and ``full`` otherwise."""
@@ -272,7 +275,7 @@ def register_metric(key: str, names, reads: str, sums: Callable, finalize: Calla
         n = next(n for n in names if n in taken)
         raise UserError(f"metric {key!r}: the name {n!r} is already logged by metric {taken[n]!r}")
     m = Metric(key, names, reads, sums, finalize, label, lower_is_better, mode, when, shown, tuple(headline),
-               dict(legacy or {}), across_layers, None if averaged is None else tuple(averaged), pool)
+               dict(legacy or {}), across_layers, None if averaged is None else tuple(averaged), pool, partial)
     _REGISTRY[key] = m
     return m
 
@@ -394,13 +397,14 @@ def measure(reads: str, *tensors, **kw) -> dict[str, float]:
 
 
 def layer_mean(per_layer: list[dict[str, float]]) -> dict[str, float]:
-    """Mean over layers of each metric present in every layer (its maximum or median for a metric registered with
-    ``across_layers="max"`` / ``"median"``)."""
+    """Mean over layers of each metric present in every layer, or in any for a metric registered ``partial`` (its
+    maximum or median for a metric registered with ``across_layers="max"`` / ``"median"``)."""
     if not per_layer:
         return {}
     keys = set(per_layer[0])
     for m in per_layer[1:]:
         keys &= set(m)
+    keys |= {n for m in registered() if m.partial for n in m.names if any(n in layer for layer in per_layer)}
     keys -= {n for m in registered() if m.averaged is not None for n in m.names if n not in m.averaged}
     how = {n: m.across_layers for m in registered() for n in m.names}
-    return {k: ACROSS_LAYERS[how.get(k, "mean")]([m[k] for m in per_layer]) for k in sorted(keys)}
+    return {k: ACROSS_LAYERS[how.get(k, "mean")]([m[k] for m in per_layer if k in m]) for k in sorted(keys)}

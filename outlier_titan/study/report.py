@@ -96,19 +96,21 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     if claims:
         lines += ["", stats.chance_calls([v for _, v, _ in claims]), "",
                   "Thresholds and where they come from:", "", *sources(suite_def.thresholds)]
-    lines += ["", "## The paper's numbers beside ours", "",
-              "Each row: the paper's setting, then `paper / ours` per metric (ours: mean ± sd over seeds of the "
-              "setting with those axes; — where a side has no number).", ""]
     headers = list(info.metrics.values())
-    lines.append("| paper row | source | our point | " + " | ".join(headers) + " |")
-    lines.append("|---|---|---|" + "---|" * len(headers))
+    if info.rows:
+        lines += ["", "## The paper's numbers beside ours", "",
+                  "Each row: the paper's setting, then `paper / ours` per metric (ours: mean ± sd over seeds of the "
+                  "setting with those axes; — where a side has no number).", "",
+                  "| paper row | source | our point | " + " | ".join(headers) + " |",
+                  "|---|---|---|" + "---|" * len(headers)]
     for pr in info.rows:
         r = first_match(groups, pr.axes)
         cells = [f"{format_value(pr.paper.get(m))} / {format_value(r.get(m) if r else None)}" for m in info.metrics]
         lines.append(f"| {pr.label} | {pr.source} | {r['point'] if r else 'not in this suite'} | "
                      + " | ".join(cells) + " |")
     lines += ["", "Ours: PPL is `scripts/evaluate.py`'s full-precision perplexity; probe metrics are the last "
-              "probe step of training (mean over blocks); Δppl are `scripts/evaluate.py`'s schemes.", ""]
+              "probe step of training (mean over blocks); Δppl are `scripts/evaluate.py`'s schemes.", ""
+              ] if info.rows else [""]
     lines += ptq_table(groups, info, rows)
     lines += ["",
               "## Trajectories", ""]

@@ -153,7 +153,7 @@ def ptq_table(groups: list[dict[str, Any]], info: SuiteInfo, rows: list[dict[str
             cells.append(format_value(d) + (f" (calib. sd {c.mean:.2g})" if isinstance(c, Estimate) else ""))
         body.append(f"| {g['point']} | {format_value(g.get('ppl'))} | " + " | ".join(cells) + " |")
     rotations: dict[str, list[str]] = {}
-    for g in groups:
+    for g in groups if any(s.endswith("_hadamard") for s in schemes) else []:
         for text in dict.fromkeys(r["ptq_rotation"] for r in rows if r["point"] in g["points"]
                                   and r.get("ptq_rotation")):
             rotations.setdefault(text, []).append(g["point"])
