@@ -118,3 +118,29 @@ def test_unset_axis_value_only_where_a_key_can_be_unset(tmp_path):
     bad.write_text(f'base = "{REPO / "train_configs" / "debug.toml"}"\n[grid]\ntraining.steps = [10, {{}}]\n')
     with pytest.raises(SweepError, match=r"leaves a key unset.*training.steps"):
         load_sweep(bad)
+
+
+def test_each_blocks_worst_cast_snr_from_the_last_probe(tmp_path):
+    import json
+
+    from outlier_titan.study.plan import point_dir
+
+    def write(point, records):
+        d = point_dir(tmp_path, point)
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    write("baseline_nvfp4_s0", [
+        {"step": 50, "outliers/layer_0/lp_act_mlp_snr_db": 1.0},
+        {"step": 100, "outliers/layer_0/lp_act_mlp_snr_db": 18.0, "outliers/layer_0/lp_grad_attn_snr_db": 12.5,
+         "outliers/layer_0/lp_weight_mlp_snr_db": 3.0, "outliers/layer_1/lp_act_attn_snr_db": float("inf"),
+         "outliers/layer_1/lp_act_mlp_snr_db": 9.0, "outliers/lp_act_mlp_snr_db": 13.5}])
+    write("baseline_bf16_s0", [{"step": 100, "loss": 3.0}])
+    rows = [{"point": "baseline_nvfp4_s0", "seed": 0, lp.ARM: "baseline", lp.PRECISION: "nvfp4"},
+            {"point": "baseline_bf16_s0", "seed": 0, lp.ARM: "baseline", lp.PRECISION: "bf16"}]
+    lp.add_layer_snr(rows, tmp_path, {})
+    # the last probe, activation and gradient casts only (not the weight's), infinite SNR (exact) ignored
+    assert rows[0]["lp_worst_snr_layer_0"] == 12.5 and rows[0]["lp_worst_snr_layer_1"] == 9.0
+    assert not any(k.startswith("lp_worst") for k in rows[1])
+    table = lp.layer_table(aggregate(rows, [lp.ARM, lp.PRECISION, "seed"]))
+    assert table[0] == "| arm | precision | block 0 | block 1 |" and "| baseline | nvfp4 | 12.5 (1 seed) | 9 (1 seed) |" in table

@@ -11,10 +11,15 @@ monitor kurtosis to predict FP8 divergence)."""
 
 from __future__ import annotations
 
+import math
+import re
+from pathlib import Path
 from typing import Any
 
+from outlier_titan.observe.logger import read_metrics
 from outlier_titan.study import stats
 from outlier_titan.study.groups import first_match, format_value
+from outlier_titan.study.plan import point_dir
 from outlier_titan.study.rules import Claim, Threshold, estimate_of, paired_relative
 from outlier_titan.study.suites.base import Suite, SuiteInfo
 
@@ -114,12 +119,48 @@ def gap_table(groups: list[dict[str, Any]]) -> list[str]:
     return head + body
 
 
+LAYER_SNR = "lp_worst_snr_layer_{}"
+_CAST_SNR = re.compile(r"^outliers/layer_(\d+)/lp_(act|grad)_(attn|mlp)_snr_db$")
+
+
+def add_layer_snr(rows: list[dict[str, Any]], sweep_dir: Path, manifest: dict[str, Any]) -> None:
+    """Per point (in place), per block: the lowest quantisation SNR (dB) of its activation and output-gradient casts
+    at the last training probe (``observe/lowprec.py``), ``lp_worst_snr_layer_<i>``; blocks without casts (BF16)
+    get none."""
+    for r in rows:
+        by_step = read_metrics(point_dir(sweep_dir, r["point"]) / "metrics.jsonl")
+        recs = [by_step[s] for s in sorted(by_step) if any(_CAST_SNR.match(k) for k in by_step[s])]
+        worst: dict[int, float] = {}
+        for k, v in (recs[-1] if recs else {}).items():
+            if (m := _CAST_SNR.match(k)) and isinstance(v, (int, float)) and math.isfinite(v):
+                worst[int(m.group(1))] = min(worst.get(int(m.group(1)), math.inf), float(v))
+        r.update({LAYER_SNR.format(i): v for i, v in worst.items()})
+
+
+def layer_table(groups: list[dict[str, Any]]) -> list[str]:
+    """Markdown: per arm and low precision, each block's worst cast SNR (mean ± sd over seeds)."""
+    layers = sorted({int(k.rsplit("_", 1)[1]) for g in groups for k in g if k.startswith(LAYER_SNR.format(""))})
+    if not layers:
+        return ["No cast statistics were logged (they need the probe: observe.every > 0)."]
+    head = ["| arm | precision | " + " | ".join(f"block {i}" for i in layers) + " |", "|---|---|" + "---|" * len(layers)]
+    body = [f"| {arm} | {p} | " + " | ".join(format_value(estimate_of(_group(groups, arm, p), LAYER_SNR.format(i)))
+                                              for i in layers) + " |"
+            for p in LOW for arm in (BASELINE, *REMEDIES) if _group(groups, arm, p) is not None]
+    return head + body
+
+
 def summary_section(groups: list[dict[str, Any]]) -> list[str]:
     return ["## Summary: the loss gap to BF16 per arm", "",
             "Each cell: mean ± sd over seeds. The gap is the arm's final validation loss in the low precision "
             "relative to its own in BF16, paired by seed (same initialisation and data order); every arm trains at "
             "the learning rate its BF16 search chose, in every precision.", "",
-            *gap_table(groups), ""]
+            *gap_table(groups), "",
+            "## Which blocks the casts hurt most", "",
+            "Per block, the lowest quantisation SNR (dB) of its activation and output-gradient casts (attention and "
+            "MLP projections) at the last training probe, mean ± sd over seeds; lower is a coarser cast. NVIDIA's "
+            "NVFP4 recipe keeps the last blocks in BF16; here every block is cast, so a low SNR in the last blocks "
+            "that a remedy lifts is what would make that exception unnecessary.", "",
+            *layer_table(groups), ""]
 
 
-SUITE = Suite(INFO, claims, [LOW_PRECISION_GAP], summary=summary_section)
+SUITE = Suite(INFO, claims, [LOW_PRECISION_GAP], add_metrics=add_layer_snr, summary=summary_section)
