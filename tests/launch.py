@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,3 +62,19 @@ def assert_losses_close(a: dict[int, float], b: dict[int, float], rtol: float) -
     assert a.keys() == b.keys() and a, (sorted(a), sorted(b))
     for step in a:
         assert abs(a[step] - b[step]) <= rtol * abs(b[step]), f"step {step}: {a[step]!r} vs {b[step]!r}"
+
+
+@contextmanager
+def gloo_group(rank: int, world: int, port: int):
+    """One rank of a test's own gloo process group (one torch thread), destroyed on the way out: the body of an
+    ``mp.spawn`` / ``mp.start_processes`` worker."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -24,6 +24,7 @@ from outlier_titan.models.layers import Attention
 from outlier_titan.models.registry import model_args
 from outlier_titan.observe import lowprec, metrics
 from outlier_titan.observe.probe import OutlierProbe
+from tests.launch import gloo_group
 
 VOCAB, SEQ = 256, 32
 
@@ -302,11 +303,8 @@ def _dist_worker(rank: int, world: int, port: int, layouts: list, out_dir: str) 
     from outlier_titan.parallel.tensor_parallel import apply_tp_plan
     from tests.test_probe_dist import BATCH, build, probe_tokens
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
-    try:
+    with gloo_group(rank, world, port):
         for dp_shard, tp in layouts:
             mesh = ParallelDims(1, dp_shard, tp, world).build_mesh("cpu")
             for flavor, recipe in DIST_RECIPES.items():
@@ -326,8 +324,6 @@ def _dist_worker(rank: int, world: int, port: int, layouts: list, out_dir: str) 
                 results[(dp_shard, tp, flavor)] = OutlierProbe(model, DIST_OBSERVE, mesh).run(share)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.dist

@@ -4,7 +4,6 @@ Newton-Schulz, per-head wq), and block_periodic (k = 2) at FSDP 2 x TP 2; the fu
 together and compared with a one-process run. Equal gradients give equal numbers: the owner rank's
 Newton-Schulz sees exactly the one-process matrix."""
 
-import os
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.multiprocessing as mp
 
 import outlier_titan.components  # noqa: F401  (spawned ranks import this file without conftest)
 from outlier_titan.parallel.dims import free_port
+from tests.launch import gloo_group
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -30,11 +30,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from tests.test_muon import _groups
     from tests.test_optim_layouts import MESHES, SPEC, full_grads, full_params, placements
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
-    try:
+    with gloo_group(rank, world, port):
         for layout, mode in CASES:
             mesh = init_device_mesh("cpu", MESHES[layout], mesh_dim_names=tuple(f"{layout}{i}" for i in range(2))
                                     [:len(MESHES[layout])])
@@ -51,8 +48,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             sent = [None] * world
             dist.all_gather_object(sent, opt.bytes_sent)
             results[(layout, mode)] = ({n: p.full_tensor() for n, p in params.items()}, sent)
-    finally:
-        dist.destroy_process_group()
     if rank == 0:
         torch.save(results, out)
 

@@ -18,6 +18,7 @@ from outlier_titan.models.registry import model_args
 from outlier_titan.observe.probe import OutlierProbe
 from outlier_titan.parallel.dims import free_port
 from outlier_titan.parallel.tensor_parallel import apply_tp_plan
+from tests.launch import gloo_group
 
 SEED, VOCAB, SEQ, BATCH = 7, 4096, 32, 4
 FLAVORS = {"gpt2_s1": dict(flavor="debug", softmax="softmax1"), "llama": dict(flavor="debug_llama"),
@@ -44,14 +45,11 @@ def reference(flavor: str):
 
 
 def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from outlier_titan.parallel.dims import ParallelDims
     from outlier_titan.parallel.fsdp import apply_fsdp
 
     results = {}
-    try:
+    with gloo_group(rank, world, port):
         for dp_replicate, dp_shard, tp in layouts:
             mesh = ParallelDims(dp_replicate, dp_shard, tp, world).build_mesh("cpu")
             dp_mesh = mesh["dp_replicate", "dp_shard"] if dp_replicate > 1 else mesh["dp_shard"]
@@ -67,8 +65,6 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
                 results[(dp_replicate, dp_shard, tp, flavor)] = OutlierProbe(model, OBSERVE, mesh).run(share)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # a rank that exits while a peer's gloo threads still talk to it can abort the peer
-    finally:
-        dist.destroy_process_group()
 
 
 def run_ranks(world: int, layouts: list, tmp_path) -> list[dict]:

@@ -21,6 +21,7 @@ from outlier_titan.parallel.tensor_parallel import apply_tp_plan
 from outlier_titan.config.job_config import Model
 from outlier_titan.models.registry import model_args
 from tests.test_probe_dist import BATCH, SEED, SEQ, VOCAB, assert_same, build as build_pre_ln, probe_tokens
+from tests.launch import gloo_group
 
 FLAVORS = ("llama", "gpt2_s1")
 OP_PRE_RMS = "op_pre_rms"  # the op spec's Pre-RMSNorm block: its norms keep local sequence shards under TP
@@ -43,14 +44,11 @@ def reference(flavor: str):
 
 
 def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from outlier_titan.parallel.dims import ParallelDims
     from outlier_titan.parallel.fsdp import apply_fsdp
 
     results = {}
-    try:
+    with gloo_group(rank, world, port):
         for dp_replicate, dp_shard, tp, flavors in layouts:
             mesh = ParallelDims(dp_replicate, dp_shard, tp, world).build_mesh("cpu")
             dp_mesh = mesh["dp_replicate", "dp_shard"] if dp_replicate > 1 else mesh["dp_shard"]
@@ -70,8 +68,6 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
                 results[key + ("again",)] = probe.run(share)[0]  # FSDP state intact after it
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.dist

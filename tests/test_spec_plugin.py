@@ -17,6 +17,7 @@ from outlier_titan.models.registry import build_meta_model
 from outlier_titan.models.spec import get_spec
 from outlier_titan.parallel.dims import free_port
 from outlier_titan.plugins import load_plugin
+from tests.launch import gloo_group
 
 TOY = str(Path(__file__).parent / "plugins" / "toy_spec.py")
 VOCAB, SEQ = 256, 16
@@ -69,10 +70,7 @@ def test_placement_names_are_the_ones_tensor_parallel_applies():
 
 
 def _tp_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, 2, port):
         from torch.distributed.tensor import DTensor
 
         from outlier_titan.parallel.dims import ParallelDims
@@ -89,8 +87,6 @@ def _tp_worker(rank: int, port: int, out_dir: str) -> None:
         torch.save({"logits": logits.full_tensor(), "gain": type(gain).__name__, "placements": str(gain.placements)
                     if isinstance(gain, DTensor) else None}, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.dist

@@ -19,6 +19,7 @@ from outlier_titan.observe import super_weights as sw
 from outlier_titan.observe.probe import OutlierProbe
 from outlier_titan.parallel.dims import free_port
 from outlier_titan.quant.ptq import quantized
+from tests.launch import gloo_group
 
 SEED, VOCAB, SEQ, BATCH = 7, 512, 16, 4
 FLAVORS = {"gpt2": "debug", "llama": "debug_llama"}
@@ -157,15 +158,12 @@ def test_zeroing_schemes_change_one_weight_per_super_weight(scheme):
 
 
 def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from outlier_titan.parallel.dims import ParallelDims
     from outlier_titan.parallel.fsdp import apply_fsdp
     from outlier_titan.parallel.tensor_parallel import apply_tp_plan
 
     results = {}
-    try:
+    with gloo_group(rank, world, port):
         for dp_replicate, dp_shard, tp, flavors in layouts:
             mesh = ParallelDims(dp_replicate, dp_shard, tp, world).build_mesh("cpu")
             for flavor in flavors:
@@ -181,8 +179,6 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
                 results[(dp_shard, tp, flavor)] = OutlierProbe(model, Observe(mode="full"), mesh).run(share)[0]
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.dist
