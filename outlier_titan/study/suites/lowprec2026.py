@@ -59,6 +59,11 @@ def gap(groups: list[dict[str, Any]], arm: str, precision: str):
     return paired_relative(_group(groups, arm, HIGH), _group(groups, arm, precision), "final_val_loss")
 
 
+def _pct(e) -> str:
+    """A relative gap over seeds: mean ± sd, or the one value with "(1 seed)"."""
+    return f"{e.mean:+.2%} ± {e.sd:.2%}" if e.sd is not None else f"{e.mean:+.2%} (1 seed)"
+
+
 def _keeps_claim(groups: list[dict[str, Any]], arm: str, precision: str) -> Claim:
     tol = LOW_PRECISION_GAP.value
     text = (f"{arm} trains in {precision} within {tol:.0%} of its BF16 val loss, where the baseline does not "
@@ -67,11 +72,10 @@ def _keeps_claim(groups: list[dict[str, Any]], arm: str, precision: str) -> Clai
     if b is None or r is None:
         return text, stats.MISSING, "a point is missing, or the arms ran different seeds"
     if not stats.effect_present(b, tol):
-        return text, stats.UNTESTABLE, (f"the baseline's gap {b.mean:+.2%} ± {(b.sd or 0):.2%} is not above "
-                                        f"{tol:.0%} (t-interval over seeds): no loss for the remedy to keep; "
-                                        f"{arm}'s {r.mean:+.2%} ± {(r.sd or 0):.2%}")
+        return text, stats.UNTESTABLE, (f"the baseline's gap {_pct(b)} is not above {tol:.0%} (t-interval over "
+                                        f"seeds): no loss for the remedy to keep; {arm}'s {_pct(r)}")
     verdict, detail = stats.at_most_verdict(r, tol, f"{arm}'s gap")
-    return text, verdict, f"baseline's gap {b.mean:+.2%} ± {(b.sd or 0):.2%}; {detail}"
+    return text, verdict, f"baseline's gap {_pct(b)}; {detail}"
 
 
 def _predictor_claim(groups: list[dict[str, Any]], precision: str) -> Claim:
@@ -114,7 +118,7 @@ def gap_table(groups: list[dict[str, Any]]) -> list[str]:
         for p in LOW:
             d = gap(groups, arm, p)
             cells += [format_value(estimate_of(_group(groups, arm, p), "final_val_loss")),
-                      f"{d.mean:+.2%} ± {(d.sd or 0):.2%}" if d else "—"]
+                      _pct(d) if d else "—"]
         body.append(f"| {arm} | " + " | ".join(cells) + " |")
     return head + body
 
