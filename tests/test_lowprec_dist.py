@@ -46,7 +46,9 @@ def test_the_tensor_parallel_mlp_casts_like_one_rank(tmp_path):
 # random numbers (seeded by the micro-batch's place in the global batch) are the same at one rank and at dp 2
 LAYOUT = [*TINY, "--training.steps", "30", "--training.micro_batch_size", "4", "--optimizer.lr", "1e-3"]
 RTOL = 3e-4  # measured (30 steps, lr 1e-3): fp8_tensorwise 1.1e-4, nvfp4 6.8e-5, fp8_rowwise 3.7e-5; bf16 9.8e-6
-TP_RECIPES = ("fp8_tensorwise", "fp8_rowwise", "nvfp4")  # a tensor scale, a row scale, blocks + SR + RHT
+# a tensor scale, and blocks with stochastic rounding and the Hadamard transform; the row scales of fp8_rowwise
+# (3.7e-5 apart when it was run) and the MX blocks are equal to one rank in the TP layer test above
+TP_RECIPES = ("fp8_tensorwise", "nvfp4")
 
 
 @pytest.fixture(scope="module")

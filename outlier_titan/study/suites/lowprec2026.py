@@ -43,8 +43,7 @@ INFO = SuiteInfo(
              "(arXiv 2409.12517); Kaul et al., ICLR 2025 (arXiv 2410.17174); He et al. 2024 (arXiv 2405.19279); "
              "Park et al. 2025 (arXiv 2506.19697); Qiu et al. 2025 (arXiv 2505.06708)",
     metrics={"ppl": "PPL", "kurtosis_rest": "κ>₁", "max_abs_all": "max |act|", "first_share": "%First"},
-    schemes=(),
-    extra_schemes=(),
+    schemes=(),  # no paper's PTQ scheme: the 4-bit rows every suite adds are tabled, no verdict rests on them
     kurtosis="kurtosis_rest",
     extra_probe=("max_abs_all",),
 )
