@@ -78,3 +78,29 @@ def gloo_group(rank: int, world: int, port: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def launch_workers(worker: Path, args: list[str], world: int, timeout: int = 300) -> None:
+    """Runs ``python worker *args`` as ``world`` gloo ranks (RANK, WORLD_SIZE, MASTER_ADDR / MASTER_PORT set, one
+    thread each, the repository importable) and asserts that every rank exited 0, with the tails of their output;
+    a rank still running after ``timeout`` seconds is killed."""
+    from outlier_titan.parallel.dims import free_port
+
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        procs.append(subprocess.Popen([sys.executable, str(worker), *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+    assert not bad, f"{worker.name} {' '.join(args)}: ranks failed {bad}:\n" + "\n".join(log[-3000:] for log in logs)

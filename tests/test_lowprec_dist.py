@@ -4,36 +4,21 @@ and at FSDP 2 x TP 2 (4 ranks) in each precision, with the same losses."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from outlier_titan.lowprec.recipes import PRECISIONS, RECIPES
-from outlier_titan.parallel.dims import free_port
-from tests.launch import TINY, assert_losses_close, train
+from tests.launch import TINY, assert_losses_close, launch_workers, train
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.dist
 
 
-def _launch(out: Path, world: int = 2, timeout: int = 300) -> None:
-    port = str(free_port())
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "dist" / "lowprec_worker.py"), str(out)],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
-
-
 def test_the_tensor_parallel_mlp_casts_like_one_rank(tmp_path):
     out = tmp_path / "tp.pt"
-    _launch(out)
+    launch_workers(ROOT / "tests" / "dist" / "lowprec_worker.py", [str(out)], world=2)
     results = torch.load(out)
     assert set(results) == set(RECIPES)
     for recipe, pairs in results.items():

@@ -6,16 +6,13 @@ has the tile's shape, so the layout changes nothing.
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from outlier_titan.errors import CheckpointError
-from outlier_titan.parallel.dims import free_port
+from tests.launch import launch_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "optim_worker.py"
@@ -32,32 +29,11 @@ def _load_worker():
 W = _load_worker()
 
 
-def _launch(layout: str, world: int, out: Path, timeout: int = 240) -> None:
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), layout, str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-    assert not bad, f"{layout} ranks failed {bad}:\n" + "\n".join(log[-3000:] for log in logs)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("optim_dist")
-    _launch("fsdp2xtp2", 4, out)
-    _launch("fsdp2", 2, out)
+    launch_workers(WORKER, ["fsdp2xtp2", str(out)], world=4, timeout=240)
+    launch_workers(WORKER, ["fsdp2", str(out)], world=2, timeout=240)
     return out
 
 

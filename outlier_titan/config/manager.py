@@ -17,6 +17,7 @@ from typing import Any
 
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.errors import ConfigError
+from outlier_titan.lowprec.recipes import PRECISIONS
 from outlier_titan.options import NO_DECAY_CLASSES, owned_by
 from outlier_titan.packaged import resolve_config
 from outlier_titan.plugins import absolute, load_plugins
@@ -219,13 +220,9 @@ def _plugin_paths(from_toml: Any, config_file: str | None, overrides: list[tuple
 
 
 def check_lowprec_recipe(name: str) -> None:
-    """``observe.lowprec_recipe``: empty (the run's own) or a precision; one-line ConfigError otherwise (the recipes
-    import torch: only when the option is set)."""
-    if not name:
-        return
-    from outlier_titan.lowprec.recipes import PRECISIONS
-
-    if name not in PRECISIONS:
+    """``observe.lowprec_recipe``: empty (the run's own) or a precision; one-line ConfigError otherwise (also for an
+    ``Observe`` built without the config reader, as the probe checks it)."""
+    if name and name not in PRECISIONS:
         raise ConfigError(f"observe.lowprec_recipe = {name!r} is not a recipe; choose one of: {', '.join(PRECISIONS)} "
                           "(or leave it empty for the run's own)")
 

@@ -279,10 +279,11 @@ def block_dynamic_range(x: torch.Tensor, cast: Cast, axis: int = -1) -> torch.Te
     return ratio.max() if ratio.numel() else torch.zeros((), dtype=torch.float64, device=x.device)
 
 
-@lru_cache(maxsize=8)
-def hadamard32(size: int) -> torch.Tensor:
-    """The normalised Sylvester Hadamard matrix of ``size`` in float32 (CPU), built once per size."""
-    return sylvester_hadamard(size).to(torch.float32)
+@lru_cache(maxsize=16)
+def hadamard32(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The normalised Sylvester Hadamard matrix of ``size`` in float32 on ``device``, built once per size and device
+    (no host-to-device copy in each backward)."""
+    return sylvester_hadamard(size).to(device=device, dtype=torch.float32)
 
 
 def random_signs(size: int, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
@@ -305,7 +306,7 @@ def random_hadamard(x: torch.Tensor, size: int, axis: int = -1, generator: torch
         raise ValueError(f"random_hadamard: length {n} along axis {axis} is not a multiple of the size {size}")
     if signs is None:
         signs = random_signs(size, generator, x.device)
-    q = hadamard32(size).to(x.device) * signs.to(device=x.device, dtype=torch.float32)  # H diag(s) / sqrt(size)
+    q = hadamard32(size, x.device) * signs.to(device=x.device, dtype=torch.float32)  # H diag(s) / sqrt(size)
     xm = x.to(torch.float32).movedim(axis, -1)
     out = (xm.reshape(*xm.shape[:-1], n // size, size) @ q.T).reshape(xm.shape)  # each block b -> H diag(s) b
     return out.movedim(-1, axis).to(x.dtype)

@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from outlier_titan.errors import ConfigError
-from outlier_titan.lowprec.formats import Cast, fake_quantize, random_hadamard, random_signs
+from outlier_titan.lowprec.formats import ELEMENTS, Cast, fake_quantize, random_hadamard, random_signs
 from outlier_titan.lowprec.recipes import RECIPES, Recipe
 
 _RNG = {"seed": 0, "step": 0, "micro": 0}
@@ -287,7 +287,6 @@ def convert_model(model: nn.Module, lp_cfg, device_type: str, tp: int = 1,
 
 # ------------------------------------------------------------------ the dry run's bytes
 
-_ELEMENT_BYTES = {"e4m3": 1.0, "e5m2": 1.0, "e2m1": 0.5}
 _SCALE_BYTES = {"fp32": 4, "pow2": 4, "e8m0": 1, "e4m3": 1}
 
 
@@ -297,7 +296,9 @@ def cast_bytes(shape: tuple[int, int], cast: Cast) -> float:
     rows, cols = shape
     n_scales = {"tensor": 1, "row": rows, "block": rows * cols / max(cast.block, 1)}[cast.scaling]
     extra = 4 if cast.scale == "e4m3" else 0
-    return rows * cols * _ELEMENT_BYTES[cast.element] + n_scales * _SCALE_BYTES[cast.scale] + extra
+    element = ELEMENTS[cast.element]
+    element_bytes = (1 + element.ebits + element.mbits) / 8  # sign, exponent and mantissa bits
+    return rows * cols * element_bytes + n_scales * _SCALE_BYTES[cast.scale] + extra
 
 
 def fp8_all_gather(recipe: Recipe, emulate: str, device_type: str, tp: int = 1) -> bool:

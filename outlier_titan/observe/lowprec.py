@@ -38,13 +38,13 @@ import re
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
 
 from outlier_titan.config.manager import check_lowprec_recipe
 from outlier_titan.lowprec.formats import cast_stats
 from outlier_titan.lowprec.recipes import RECIPES
 from outlier_titan.models.layers import Attention
 from outlier_titan.observe.metrics import CastInput, Headline, add_sums, register_metric
+from outlier_titan.tensors import gathered
 
 GROUPS = ("attn", "mlp")
 CLASSES = {"act": "input", "weight": "weight", "grad": "grad_output"}
@@ -92,19 +92,9 @@ def cast_modules(model: nn.Module, override: str = "") -> dict[str, list[tuple[s
 
 
 def whole(t: torch.Tensor, shape: tuple[int, ...], tp_mesh) -> torch.Tensor:
-    """The whole tensor of global ``shape`` from a DTensor or a TP shard (a plain tensor smaller than ``shape`` in
-    one dim is that dim's Shard over ``tp_mesh``); detached."""
-    t = t.detach()
-    if isinstance(t, DTensor):
-        return t.full_tensor()
-    if tp_mesh is None or tuple(t.shape) == tuple(shape):
-        return t
-    dims = [d for d in range(t.dim()) if t.shape[d] != shape[d]]
-    if len(dims) != 1:
-        raise ValueError(f"probe: a cast tensor of local shape {tuple(t.shape)} is no TP shard of {tuple(shape)}")
-    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-    return DTensor.from_local(t.contiguous(), tp_mesh, [Shard(dims[0])], run_check=False, shape=torch.Size(shape),
-                              stride=stride).full_tensor()
+    """The whole tensor of global ``shape`` from a DTensor or a TP shard (:func:`outlier_titan.tensors.gathered`),
+    detached."""
+    return gathered(t.detach(), shape, tp_mesh)
 
 
 class CastTaps:

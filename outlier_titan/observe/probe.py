@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from outlier_titan.config.job_config import Observe
@@ -69,6 +69,7 @@ from outlier_titan.observe import panel
 from outlier_titan.observe.pictures import (attention_map_image, hidden_magnitude_image, lowprec_image,
                                             sinks_massive_image)
 from outlier_titan.observe.super_weights import down_projections
+from outlier_titan.tensors import gathered
 
 PREFIX = "outliers"
 ATTENTION_INPUT = "attention_input_gradient"  # the probe input of the blocks' pre-attention norm outputs' gradient
@@ -331,11 +332,7 @@ class OutlierProbe:
             return x.full_tensor(), True
         if self._tp_mesh is None:
             return x, False
-        if x.shape[1] != seq_len:
-            b, _, d = x.shape
-            x = DTensor.from_local(x.contiguous(), self._tp_mesh, [Shard(1)], run_check=False,
-                                   shape=torch.Size((b, seq_len, d)), stride=(seq_len * d, d, 1)).full_tensor()
-        return x, True
+        return gathered(x, (x.shape[0], seq_len, x.shape[2]), self._tp_mesh), True
 
     def _down_proj(self, module: nn.Linear, x_in, x_out, seq_len: int):
         """A down projection's whole input [B, T, F], output [B, T, D] and weight [D, F] of this DP rank, and
