@@ -106,7 +106,7 @@ def test_the_lr_search_plans_every_arm_on_its_own_spec():
     assert set(arms) == {lp.BASELINE, *lp.REMEDIES}
     assert arms["op_soap"].model.name == "op" and arms["op_soap"].model.norm is None
     assert arms["osp"].model.embed_proj is True and arms["osp"].optimizer.name == "muon"
-    assert {p.cfg.optimizer.lr for p in sweep.points} == {1e-3, 3e-3, 1e-2}
+    assert {p.cfg.optimizer.lr for p in sweep.points} == {1e-3, 3e-3, 1e-2, 3e-2}
     assert all(p.cfg.optimizer.muon_adamw_lr == p.cfg.optimizer.lr for p in sweep.points)
 
 
