@@ -131,13 +131,13 @@ def test_report_says_whether_the_torch_meets_pyproject(version, ok):
 
 
 def test_only_runs_the_named_items_and_a_name_that_matches_nothing_is_a_usage_error(tmp_path, capsys):
-    """``--only``: just the items whose name contains one of the strings (here part 3's SOAP step, dry); a
-    string that names no item at all exits 2 with the part's item names."""
-    reports = cli.run_parts(("3",), True, tmp_path, 300, "test", only=("soap on", "no such item"))
+    """``--only``: just the items whose name contains one of the strings (here part 3's AdamW step, dry, the
+    cheapest); a string that names no item at all exits 2 with the part's item names."""
+    reports = cli.run_parts(("3",), True, tmp_path, 300, "test", only=("adamw on", "no such item"))
     names = [it["name"] for it in reports[0]["items"]]
-    assert names == ["soap on pre_ln/debug fp32 CPU (dry)"], names
+    assert names == ["adamw on pre_ln/debug fp32 CPU (dry)"], names
     assert all(it["status"] == "ok" for it in reports[0]["items"]), reports[0]["items"]
-    assert "| soap |" in (tmp_path / "gpu_check_part3.md").read_text()
+    assert "| adamw |" in (tmp_path / "gpu_check_part3.md").read_text()
     with pytest.raises(SystemExit) as e:
         cli.main(["--part", "3", "--dry", "--out", str(tmp_path), "--only", "no such item"])
-    assert e.value.code == 2 and "adamw on pre_ln" in capsys.readouterr().err
+    assert e.value.code == 2 and "soap on pre_ln" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """``[low_precision]`` across layouts (gloo): the converted feed-forward under TP 2 against one rank in float64 for
-every recipe (the scales that span a shard are the global ones), and the debug model trained 30 steps at one rank
-and at FSDP 2 x TP 2 (4 ranks) in each precision, with the same losses."""
+every recipe (the scales that span a shard are the global ones), and the debug model trained 20 steps in every
+precision at one rank, and with a tensor scale at FSDP 2 x TP 2 (4 ranks) and NVFP4 at TP 2 (2 ranks), with the same
+losses."""
 
 from __future__ import annotations
 
@@ -29,19 +30,20 @@ def test_the_tensor_parallel_mlp_casts_like_one_rank(tmp_path):
 
 # 8 sequences of 64 tokens, micro-batches of 4 at every layout: the casts' groups (a micro-batch's tokens) and
 # random numbers (seeded by the micro-batch's place in the global batch) are the same at one rank and at dp 2
-LAYOUT = [*TINY, "--training.steps", "30", "--training.micro_batch_size", "4", "--optimizer.lr", "1e-3"]
+LAYOUT = [*TINY, "--training.micro_batch_size", "4", "--optimizer.lr", "1e-3"]
 RTOL = 3e-4  # measured (30 steps, lr 1e-3): fp8_tensorwise 1.1e-4, nvfp4 6.8e-5, fp8_rowwise 3.7e-5; bf16 9.8e-6
-# a tensor scale, and blocks with stochastic rounding and the Hadamard transform; the row scales of fp8_rowwise
+# a tensor scale (FSDP 2 x TP 2), and blocks with stochastic rounding and the Hadamard transform (TP 2: FSDP
+# gathers whole weight shards before a cast, so it changes nothing the casts see); the row scales of fp8_rowwise
 # (3.7e-5 apart when it was run) and the MX blocks are equal to one rank in the TP layer test above
-TP_RECIPES = ("fp8_tensorwise", "nvfp4")
+TP_LAYOUTS = {"fp8_tensorwise": 4, "nvfp4": 2}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lowprec")
     one = {p: train(tmp, *LAYOUT, "--low_precision.recipe", p, name=f"{p}_one").check() for p in PRECISIONS}
-    four = {p: train(tmp, *LAYOUT, "--low_precision.recipe", p, "--parallelism.tp", "2", name=f"{p}_four",
-                     nproc=4).check() for p in TP_RECIPES}
+    four = {p: train(tmp, *LAYOUT, "--low_precision.recipe", p, "--parallelism.tp", "2", name=f"{p}_tp",
+                     nproc=nproc).check() for p, nproc in TP_LAYOUTS.items()}
     four["nvfp4_ac"] = train(tmp, *LAYOUT, "--low_precision.recipe", "nvfp4", "--activation_checkpoint.mode", "full",
                              name="nvfp4_ac").check()
     return one, four
@@ -52,14 +54,14 @@ def test_every_precision_trains_the_debug_model(runs):
     bf16 = one["bf16"].losses
     for precision, run in one.items():
         series = run.losses
-        assert len(series) == 30 and series[30] < series[1] - 1.0, (precision, series[1], series[30])
-        assert abs(series[30] - bf16[30]) < 0.05 * bf16[30], (precision, series[30], bf16[30])
+        assert len(series) == 20 and series[20] < series[1] - 0.75, (precision, series[1], series[20])
+        assert abs(series[20] - bf16[20]) < 0.05 * bf16[20], (precision, series[20], bf16[20])
         if precision != "bf16":
             assert series != bf16 and f"low_precision: {precision} on " in run.stdout
 
 
-@pytest.mark.parametrize("precision", TP_RECIPES)
-def test_fsdp2_x_tp2_trains_like_one_rank(runs, precision):
+@pytest.mark.parametrize("precision", TP_LAYOUTS)
+def test_tensor_parallel_training_is_like_one_rank(runs, precision):
     one, four = runs
     # The casts are the same (the TP test above); the GEMMs' float32 sum order is not, and a cast turns a value at
     # a rounding boundary into the neighbouring code (a per-tensor FP32 scale moves with every last bit of its
