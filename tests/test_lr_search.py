@@ -77,3 +77,22 @@ def test_the_lr_search_at_the_cpu_suites_lr_is_the_cpu_suites_own_point():
 def test_a_missing_lr_report_is_one_line_naming_the_command(tmp_path):
     with pytest.raises(UserError, match=r"run it first \(python scripts/reproduce.py --suite SUITE --scale lr\)"):
         lr_search.read_choice(tmp_path)
+
+
+def test_a_second_search_on_the_cpu_recipe_is_a_search_of_its_own(tmp_path, monkeypatch):
+    """sinks_vs_massive2026's ``lr`` tunes its synthetic scale; ``cpu_lr`` searches the cpu recipe: every arm at each
+    lr of its grid on cpu.toml's settings, seed 0, and a scale reading it names its command when it is missing."""
+    from outlier_titan.study import suite_files
+
+    cpu = {p.axes["job.description"]: p.cfg for p in load_sweep(suite_file("sinks_vs_massive2026", "cpu")).points}
+    search = load_sweep(suite_file("sinks_vs_massive2026", "cpu_lr")).points
+    assert {p.cfg.optimizer.lr for p in search} == {1e-3, 3e-3, 1e-2} and {p.axes["seed"] for p in search} == {0}
+    assert {p.axes["job.description"] for p in search} == set(cpu)
+    for p in search:  # the cpu recipe, but for the lr
+        same = cpu[p.axes["job.description"]]
+        assert (p.cfg.model, p.cfg.training.steps, p.cfg.data) == (same.model, same.training.steps, same.data)
+    assert "cpu_lr" in suite_files.LR_SEARCH_SCALES
+    monkeypatch.setattr(suite_files, "suite_file_keys", lambda suite, scale: {"lr_from": "cpu_lr"})
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"--suite sinks_vs_massive2026 --scale cpu_lr\)"):
+        suite_files.suite_sweep("sinks_vs_massive2026", "cpu")

@@ -63,8 +63,8 @@ def section(choice: dict[str, Any], out: Path) -> list[str]:
     tuned, shown = choice["tuned_axes"], choice.get("shown")
     lines = ["## Learning-rate search", "",
              f"Each setting at every value of the grid, one seed; the chosen value is the one with the lowest final "
-             f"validation loss (written to `{CHOICE_FILE}`, which the suite's other scales read with "
-             f"`lr_from = \"lr\"`). A choice at the grid's edge is marked: the best value may lie beyond it.", "",
+             f"validation loss (written to `{CHOICE_FILE}`, which a scale of the suite reads when its sweep file's "
+             f"`lr_from` names this search). A choice at the grid's edge is marked: the best value may lie beyond it.", "",
              "| setting | " + ", ".join(tuned) + ": final val loss" + (f" ({shown})" if shown else "") + " | chosen |",
              "|---|---|---|"]
     for s in choice["settings"]:
@@ -78,13 +78,13 @@ def section(choice: dict[str, Any], out: Path) -> list[str]:
     return lines + [""]
 
 
-def read_choice(report: Path) -> dict[str, Any]:
-    """The choice an lr report wrote; a one-line error when the search has not been reported."""
+def read_choice(report: Path, suite: str = "SUITE", scale: str = "lr") -> dict[str, Any]:
+    """The choice an lr report wrote; a one-line error naming the search's command when it has not been reported."""
     path = report / CHOICE_FILE
     if not path.is_file():
         raise UserError(f"{path} is missing: this scale takes each setting's learning rate from the suite's lr "
-                        f"search; run it first (python scripts/reproduce.py --suite SUITE --scale lr) or commit its "
-                        f"report")
+                        f"search; run it first (python scripts/reproduce.py --suite {suite} --scale {scale}) or "
+                        f"commit its report")
     return json.loads(path.read_text())
 
 

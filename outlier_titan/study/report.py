@@ -15,7 +15,7 @@ from outlier_titan.study.report_figures import trajectory_figures
 from outlier_titan.study.report_sections import (anatomy_section, peaks_table, ptq_table, tile_grid_section,
                                                  tile_study_section)
 from outlier_titan.study.rules import RULES_TEXT, sources
-from outlier_titan.study.suite_files import lr_choice
+from outlier_titan.study.suite_files import LR_SEARCH_SCALES, lr_choice
 from outlier_titan.study.suites import SUITES
 
 
@@ -82,11 +82,11 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
                   ""]
     if scale == "tiles" and info.tile_study:
         lines += tile_study_section(groups, info, fig_dir, scale_phrase)
-    if scale == "lr":
+    searching = scale in LR_SEARCH_SCALES  # a search decides learning rates: no claims, no summary of them
+    if searching:
         lines += lr_search.section(lr_search.choose(rows, manifest["axes"], info.kurtosis), out)
     if eval_failed:
         lines += [f"Evaluation failed for: {', '.join(eval_failed)} (see `<point>/eval.log`).", ""]
-    searching = scale == "lr"  # a search decides learning rates: no claims, no summary of them
     if suite_def.summary is not None and not searching:
         lines += suite_def.summary(groups)
     claims = [] if searching else suite_def.claims(groups)

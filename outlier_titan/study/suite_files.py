@@ -11,17 +11,22 @@ from outlier_titan.packaged import configs_dir
 from outlier_titan.study import lr_search
 from outlier_titan.study.suites import SUITE_NAMES
 
-SCALES = ("smoke", "cpu", "search", "lr", "tuned", "synthetic", "tiles", "gpu")
+SCALES = ("smoke", "cpu", "search", "lr", "cpu_lr", "tuned", "synthetic", "tiles", "gpu")
 """``search``: the calibration search of the cpu scale, where a suite has one: the seeds' levers on
 the cpu recipe, evaluated and reported like a suite, so the settings tried and the peaks they gave are kept.
 ``lr``: the learning-rate search: the arms a claim compares at every lr of a grid, seed 0 (``lr_choice.json``).
+``cpu_lr``: a second learning-rate search, on the cpu recipe, for a suite whose ``lr`` search tunes another scale
+(sinks_vs_massive2026's ``lr`` tunes its synthetic scale); its cpu scale reads it with ``lr_from = "cpu_lr"``.
 ``tuned``: the claims' arms re-run on the cpu recipe, each at the lr its search chose (``lr_from = "lr"``), at the
 seeds a quoted verdict needs (five).
 ``synthetic``: the suite's grid on the synthetic Bigram-Backcopy task (``data.source = "bigram_backcopy"``), where
 a suite has one: a small-scale testbed for the attention sink, which the embedded corpus (Python source) does not make at cpu scale.
 ``tiles``: the tile-size study, where a suite has one: the cpu recipe's baseline and remedy with the remedy's
 rotation over whole axes and in shard-local tiles of 128, 64 and 32, reported against the tile edge."""
+LR_SEARCH_SCALES = ("lr", "cpu_lr")
+"""The scales that choose learning rates: their reports have the search's table and ``lr_choice.json``, no claims."""
 OPTIONAL_SCALES = {"search": "calibration search", "lr": "learning-rate search",
+                   "cpu_lr": "learning-rate search on the cpu recipe",
                    "tuned": "re-run at the searched learning rates", "synthetic": "synthetic-task suite",
                    "tiles": "tile-size study"}
 
@@ -65,14 +70,18 @@ def lr_report(suite: str, scale: str) -> Path | None:
     return Path("reports") / f"{suite}-{source}" if source else None
 
 
+def read_lr_choice(suite: str, scale: str) -> dict[str, Any]:
+    """The choice of the lr search a scale reads (``lr_from``); a one-line error naming that search's command."""
+    return lr_search.read_choice(lr_report(suite, scale), suite, suite_file_keys(suite, scale)["lr_from"])
+
+
 def suite_sweep(suite: str, scale: str):
     """The suite's sweep at a scale, each tuned setting at the learning rate its lr search chose (``lr_from``)."""
     from outlier_titan.study.spec import load_sweep
 
     sweep = load_sweep(suite_file(suite, scale))
-    report = lr_report(suite, scale)
-    if report is not None:
-        lr_search.apply_choice(sweep, lr_search.read_choice(report))
+    if lr_report(suite, scale) is not None:
+        lr_search.apply_choice(sweep, read_lr_choice(suite, scale))
     return sweep
 
 
@@ -82,6 +91,6 @@ def lr_choice(suite: str, scale: str, manifest: dict[str, Any]) -> str:
     report = lr_report(suite, scale)
     if report is None:
         return str(suite_file_keys(suite, scale).get("lr_choice", ""))
-    choice = lr_search.read_choice(report)
+    choice = read_lr_choice(suite, scale)
     return lr_search.header_line(choice, str(report), lr_search.untuned_points(manifest, choice))
 

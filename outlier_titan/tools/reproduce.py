@@ -11,7 +11,8 @@
     outlier-titan-reproduce --suite he2024 --scale tiles --adopt reports/he2024-cpu  # take the points they share
 
 The suites are sweep files under ``train_configs/suites/<suite>/<scale>.toml`` (every suite has smoke, cpu and
-gpu; kaul2024 and sinks2025 also synthetic; kaul2024 and he2024 also search and tiles); the run folders go to
+gpu; kaul2024 and sinks2025 also synthetic; kaul2024 and he2024 also search and tiles; the lr searches `lr` and,
+for sinks_vs_massive2026, `cpu_lr` on its cpu recipe); the run folders go to
 ``--sweep-dir`` (default ``outputs/reproduce/<suite>-<scale>``), the report (``report.md``, ``figures/``,
 ``results.csv``, ``runs/<point>/`` logs) to ``--out`` (default ``reports/<suite>-<scale>``). Running again skips
 finished points and evaluations. ``--adopt DIR`` takes over the finished, evaluated points of a report folder
