@@ -91,12 +91,6 @@ def cast_modules(model: nn.Module, override: str = "") -> dict[str, list[tuple[s
     return out
 
 
-def whole(t: torch.Tensor, shape: tuple[int, ...], tp_mesh) -> torch.Tensor:
-    """The whole tensor of global ``shape`` from a DTensor or a TP shard (:func:`outlier_titan.tensors.gathered`),
-    detached."""
-    return gathered(t.detach(), shape, tp_mesh)
-
-
 class CastTaps:
     """The probe's hooks on the cast modules of one model: the forward's ``casts`` sums per block, and the output
     tensors kept for the backward's ``cast_gradient`` sums."""
@@ -128,8 +122,9 @@ class CastTaps:
                     if last.get("source") is not x:
                         shape = (*x.shape[:-2], seq_len, w.shape[1]) if x.dim() >= 3 else (*x.shape[:-1], w.shape[1])
                         last.clear()
-                        last.update(source=x, act=whole(x, shape, self.tp_mesh), shared={})
-                    inp = CastInput(recipe, group, act=last["act"], weight=whole(w, tuple(w.shape), self.tp_mesh),
+                        last.update(source=x, act=gathered(x.detach(), shape, self.tp_mesh), shared={})
+                    weight = gathered(w.detach(), tuple(w.shape), self.tp_mesh)
+                    inp = CastInput(recipe, group, act=last["act"], weight=weight,
                                     weight_counted=self.weight_counted, shared=last["shared"])
                     _add(res, layer, {m.key: m.sums(inp) for m in self.forward})
                 if streams is not None and self.backward:
@@ -143,7 +138,7 @@ class CastTaps:
         the last position has no target in the probe batch (its gradient is 0) and is left out."""
         _, layer, mod_name = key
         recipe, group, out_features = self.found[(layer, mod_name)]
-        g = whole(g, (g.shape[0], seq_len, out_features), self.tp_mesh)[:, :-1]
+        g = gathered(g.detach(), (g.shape[0], seq_len, out_features), self.tp_mesh)[:, :-1]
         _add(res, layer, {m.key: m.sums(CastInput(recipe, group, grad=g)) for m in self.backward})
 
 

@@ -70,9 +70,10 @@ def lr_report(suite: str, scale: str) -> Path | None:
     return Path("reports") / f"{suite}-{source}" if source else None
 
 
-def read_lr_choice(suite: str, scale: str) -> dict[str, Any]:
-    """The choice of the lr search a scale reads (``lr_from``); a one-line error naming that search's command."""
-    return lr_search.read_choice(lr_report(suite, scale), suite, suite_file_keys(suite, scale)["lr_from"])
+def _read_choice(suite: str, report: Path) -> dict[str, Any]:
+    """The choice of the lr search in ``report`` (``reports/<suite>-<scale>``); a one-line error naming that search's
+    command when it is missing."""
+    return lr_search.read_choice(report, suite, report.name.removeprefix(f"{suite}-"))
 
 
 def suite_sweep(suite: str, scale: str):
@@ -80,8 +81,9 @@ def suite_sweep(suite: str, scale: str):
     from outlier_titan.study.spec import load_sweep
 
     sweep = load_sweep(suite_file(suite, scale))
-    if lr_report(suite, scale) is not None:
-        lr_search.apply_choice(sweep, read_lr_choice(suite, scale))
+    report = lr_report(suite, scale)
+    if report is not None:
+        lr_search.apply_choice(sweep, _read_choice(suite, report))
     return sweep
 
 
@@ -91,6 +93,6 @@ def lr_choice(suite: str, scale: str, manifest: dict[str, Any]) -> str:
     report = lr_report(suite, scale)
     if report is None:
         return str(suite_file_keys(suite, scale).get("lr_choice", ""))
-    choice = read_lr_choice(suite, scale)
+    choice = _read_choice(suite, report)
     return lr_search.header_line(choice, str(report), lr_search.untuned_points(manifest, choice))
 
