@@ -63,14 +63,17 @@ def test_a_scale_runs_each_tuned_setting_at_its_chosen_lr_and_names_the_others()
     assert "not tuned, at the suite file's values: " in line
 
 
-def test_the_lr_search_at_the_cpu_suites_lr_is_the_cpu_suites_own_point():
+@pytest.mark.parametrize("suite,arms,lr", [
+    ("he2024", ("pre_ln_adamw", "op_soap"), "0.003"), ("park2025", ("adam", "osp"), "0.01"),
+    ("franke2025", ("pre_ln", "angpt", "ngpt"), "0.002")])
+def test_the_lr_search_at_the_cpu_suites_lr_is_the_cpu_suites_own_point(suite, arms, lr):
     """So the search can adopt the cpu report's seed-0 points at the lr they share instead of training them."""
     from outlier_titan.study.plan import _config_diff, _defaults, _optimizer_owners
 
-    cpu = {p.name: p for p in load_sweep(suite_file("he2024", "cpu")).points}
-    search = {p.name: p for p in load_sweep(suite_file("he2024", "lr")).points}
-    for arm in ("pre_ln_adamw", "op_soap"):
-        assert _config_diff(cpu[f"{arm}_s0"].config_toml, search[f"{arm}_lr0.003_s0"].config_toml, _defaults(),
+    cpu = {p.name: p for p in load_sweep(suite_file(suite, "cpu")).points}
+    search = {p.name: p for p in load_sweep(suite_file(suite, "lr")).points}
+    for arm in arms:
+        assert _config_diff(cpu[f"{arm}_s0"].config_toml, search[f"{arm}_lr{lr}_s0"].config_toml, _defaults(),
                             _optimizer_owners(), ("job", "checkpoint")) == []
 
 
