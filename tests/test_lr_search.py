@@ -42,9 +42,9 @@ def test_the_choice_is_each_settings_lowest_final_val_loss_and_an_edge_is_marked
 def test_a_scale_runs_each_tuned_setting_at_its_chosen_lr_and_names_the_others():
     sweep = load_sweep(suite_file("he2024", "cpu"))
     search = load_sweep(suite_file("he2024", "lr"))
-    rows = [{"point": p.name, "seed": 0, "final_val_loss": {1e-3: 5.0, 3e-3: 4.0, 1e-2: 4.5}[p.cfg.optimizer.lr]
-             if p.cfg.optimizer.name == "adamw" else {1e-3: 4.4, 3e-3: 4.3, 1e-2: 4.1}[p.cfg.optimizer.lr],
-             **p.axes} for p in search.points]
+    loss = {"adamw": {3e-4: 5.2, 1e-3: 5.0, 3e-3: 4.0, 1e-2: 4.5}, "soap": {3e-4: 4.6, 1e-3: 4.4, 3e-3: 4.3, 1e-2: 4.1}}
+    rows = [{"point": p.name, "seed": 0, "final_val_loss": loss[p.cfg.optimizer.name][p.cfg.optimizer.lr], **p.axes}
+            for p in search.points]
     choice = lr_search.choose(rows, search.axes)
     untuned = lr_search.apply_choice(sweep, choice)
     lrs = {p.name: p.cfg.optimizer.lr for p in sweep.points}
@@ -59,7 +59,7 @@ def test_a_scale_runs_each_tuned_setting_at_its_chosen_lr_and_names_the_others()
     manifest = build_manifest(load_sweep(suite_file("he2024", "cpu")), Path("/nonexistent"))
     assert lr_search.untuned_points(manifest, choice) == untuned
     line = lr_search.header_line(choice, "reports/he2024-lr", untuned)
-    assert "op, fixed, True, False, 50.0, soap, 0.95: lr 0.01 from {0.001, 0.003, 0.01} (at the grid's edge)" in line
+    assert "op, fixed, True, False, 50.0, soap, 0.95: lr 0.01 from {0.0003, 0.001, 0.003, 0.01} (at the grid's edge)" in line
     assert "not tuned, at the suite file's values: " in line
 
 
