@@ -59,7 +59,8 @@ def test_a_scale_runs_each_tuned_setting_at_its_chosen_lr_and_names_the_others()
     manifest = build_manifest(load_sweep(suite_file("he2024", "cpu")), Path("/nonexistent"))
     assert lr_search.untuned_points(manifest, choice) == untuned
     line = lr_search.header_line(choice, "reports/he2024-lr", untuned)
-    assert "op, fixed, True, False, 50.0, soap, 0.95: lr 0.01 from {0.0003, 0.001, 0.003, 0.01} (at the grid's edge)" in line
+    soap_arm = "op, fixed, True, False, 50.0, soap, 0.95"
+    assert f"{soap_arm}: lr 0.01 from {{0.0003, 0.001, 0.003, 0.01}} (at the grid's edge)" in line
     assert "not tuned, at the suite file's values: " in line
 
 
