@@ -110,6 +110,25 @@ def test_the_lr_search_plans_every_arm_on_its_own_spec():
     assert all(p.cfg.optimizer.muon_adamw_lr == p.cfg.optimizer.lr for p in sweep.points)
 
 
+def test_the_provoked_scale_is_the_cpu_scale_at_one_lr_and_adopts_the_arms_already_there():
+    """Every arm at 1e-2 (Muon's AdamW part too); where the cpu scale's tuned lr was already 1e-2 (OP + SOAP, OSP)
+    the point is the cpu scale's own, so ``--adopt reports/lowprec2026-cpu`` takes it; the others differ in the lr
+    alone."""
+    from outlier_titan.study.plan import _config_diff, _defaults, _optimizer_owners
+    from outlier_titan.study.suite_files import suite_sweep
+
+    cpu = {p.name: p for p in suite_sweep("lowprec2026", "cpu").points}
+    provoked = suite_sweep("lowprec2026", "provoked").points
+    assert {p.name for p in provoked} == set(cpu)
+    for p in provoked:
+        assert p.cfg.optimizer.lr == p.cfg.optimizer.muon_adamw_lr == 1e-2
+        diff = _config_diff(cpu[p.name].config_toml, p.config_toml, _defaults(), _optimizer_owners(), ("job",))
+        if p.axes[lp.ARM] in ("op_soap", "osp"):
+            assert diff == [], (p.name, diff)
+        else:
+            assert [d.split(":")[0] for d in diff] == ["optimizer.lr"], (p.name, diff)
+
+
 def test_unset_axis_value_only_where_a_key_can_be_unset(tmp_path):
     from outlier_titan.study.spec import SweepError
     from tests.launch import REPO

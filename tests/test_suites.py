@@ -44,7 +44,7 @@ def test_every_tile_optimizer_point_rotates_whole_axes(path):
         assert checked, f"{path} has no OrthoAdam / SOAP point"
 
 
-@pytest.mark.parametrize("path", [p for p in FILES if p.stem in ("cpu", "synthetic", "tiles")],
+@pytest.mark.parametrize("path", [p for p in FILES if p.stem in ("cpu", "provoked", "synthetic", "tiles")],
                          ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_cpu_and_synthetic_scales_run_three_seeds_per_setting(path):
     sweep = load_sweep(path)

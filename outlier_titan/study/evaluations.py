@@ -17,7 +17,8 @@ EVAL_ARGS = {"smoke": dict(tokens=512, batch_size=4, calib_batches=1, calib_seed
              # 16 calibration batches (16k tokens): at 4, a W8A8 point's three calibration seeds spread 77-225 PPL
              "cpu": dict(tokens=65536, batch_size=8, calib_batches=16, calib_seeds=3),
              "gpu": dict(tokens=1_048_576, batch_size=16, calib_batches=4, calib_seeds=3)}
-EVAL_ARGS |= {scale: EVAL_ARGS["cpu"] for scale in ("search", "lr", "cpu_lr", "tuned", "synthetic", "tiles")}  # as cpu
+EVAL_ARGS |= {scale: EVAL_ARGS["cpu"]  # as cpu
+              for scale in ("search", "lr", "cpu_lr", "tuned", "provoked", "synthetic", "tiles")}
 
 
 def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, scale: str,

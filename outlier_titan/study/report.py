@@ -74,6 +74,11 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
         lines += ["**Calibration search:** the cpu recipe under the levers the seeds name (the suite file says "
                   "which); a verdict needs the points it compares and is not determined where the search lacks "
                   "them. Read the peaks table: whether any setting grows the phenomenon at this scale.", ""]
+    if scale == "provoked":
+        lines += ["**Provoked:** every arm trains at one learning rate chosen because the baseline grows the "
+                  "phenomenon there (the suite file's reason is under \"How the learning rate was chosen\"), not at "
+                  "its own best lr; the same arms at their tuned lrs are the cpu scale's report "
+                  f"(`reports/{suite}-cpu`). Read these verdicts beside those.", ""]
     if scale == "synthetic":
         lines += ["**Synthetic task:** these runs train on the Bigram-Backcopy task (`data.source = "
                   "\"bigram_backcopy\"`, Guo et al. 2024), a generated token stream where only the copy after a "

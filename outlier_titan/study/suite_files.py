@@ -11,7 +11,7 @@ from outlier_titan.packaged import configs_dir
 from outlier_titan.study import lr_search
 from outlier_titan.study.suites import SUITE_NAMES
 
-SCALES = ("smoke", "cpu", "search", "lr", "cpu_lr", "tuned", "synthetic", "tiles", "gpu")
+SCALES = ("smoke", "cpu", "search", "lr", "cpu_lr", "tuned", "provoked", "synthetic", "tiles", "gpu")
 """``search``: the calibration search of the cpu scale, where a suite has one: the seeds' levers on
 the cpu recipe, evaluated and reported like a suite, so the settings tried and the peaks they gave are kept.
 ``lr``: the learning-rate search: the arms a claim compares at every lr of a grid, seed 0 (``lr_choice.json``).
@@ -19,6 +19,9 @@ the cpu recipe, evaluated and reported like a suite, so the settings tried and t
 (sinks_vs_massive2026's ``lr`` tunes its synthetic scale); its cpu scale reads it with ``lr_from = "cpu_lr"``.
 ``tuned``: the claims' arms re-run on the cpu recipe, each at the lr its search chose (``lr_from = "lr"``), at the
 seeds a quoted verdict needs (five).
+``provoked``: the cpu recipe with every arm at one lr taken from the lr search because the baseline grows the
+phenomenon there, for a suite whose tuned baseline shows none (its report says so; the cpu scale is the comparison
+at tuned lrs).
 ``synthetic``: the suite's grid on the synthetic Bigram-Backcopy task (``data.source = "bigram_backcopy"``), where
 a suite has one: a small-scale testbed for the attention sink, which the embedded corpus (Python source) does not make at cpu scale.
 ``tiles``: the tile-size study, where a suite has one: the cpu recipe's baseline and remedy with the remedy's
@@ -27,7 +30,9 @@ LR_SEARCH_SCALES = ("lr", "cpu_lr")
 """The scales that choose learning rates: their reports have the search's table and ``lr_choice.json``, no claims."""
 OPTIONAL_SCALES = {"search": "calibration search", "lr": "learning-rate search",
                    "cpu_lr": "learning-rate search on the cpu recipe",
-                   "tuned": "re-run at the searched learning rates", "synthetic": "synthetic-task suite",
+                   "tuned": "re-run at the searched learning rates",
+                   "provoked": "re-run at a learning rate that provokes the phenomenon",
+                   "synthetic": "synthetic-task suite",
                    "tiles": "tile-size study"}
 
 

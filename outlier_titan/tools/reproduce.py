@@ -12,7 +12,8 @@
 
 The suites are sweep files under ``train_configs/suites/<suite>/<scale>.toml`` (every suite has smoke, cpu and
 gpu; kaul2024 and sinks2025 also synthetic; kaul2024 and he2024 also search and tiles; the lr searches `lr` and,
-for sinks_vs_massive2026, `cpu_lr` on its cpu recipe); the run folders go to
+for sinks_vs_massive2026, `cpu_lr` on its cpu recipe; kaul2024's `tuned` re-run at the searched lrs; lowprec2026's
+`provoked`, every arm at the lr where its baseline grows outlier features); the run folders go to
 ``--sweep-dir`` (default ``outputs/reproduce/<suite>-<scale>``), the report (``report.md``, ``figures/``,
 ``results.csv``, ``runs/<point>/`` logs) to ``--out`` (default ``reports/<suite>-<scale>``). Running again skips
 finished points and evaluations. ``--adopt DIR`` takes over the finished, evaluated points of a report folder
