@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from outlier_titan.study.plan import point_dir
+from outlier_titan.study.suite_files import SCALES
 from outlier_titan.study.suites.base import SuiteInfo
 
 # scripts/evaluate.py settings per scale: validation tokens, sequences per pass, calibration batches and seeds
@@ -17,8 +18,7 @@ EVAL_ARGS = {"smoke": dict(tokens=512, batch_size=4, calib_batches=1, calib_seed
              # 16 calibration batches (16k tokens): at 4, a W8A8 point's three calibration seeds spread 77-225 PPL
              "cpu": dict(tokens=65536, batch_size=8, calib_batches=16, calib_seeds=3),
              "gpu": dict(tokens=1_048_576, batch_size=16, calib_batches=4, calib_seeds=3)}
-EVAL_ARGS |= {scale: EVAL_ARGS["cpu"]  # as cpu
-              for scale in ("search", "lr", "cpu_lr", "tuned", "provoked", "synthetic", "tiles")}
+EVAL_ARGS |= {scale: EVAL_ARGS["cpu"] for scale in SCALES if scale not in EVAL_ARGS}  # every other scale: as cpu
 
 
 def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, scale: str,

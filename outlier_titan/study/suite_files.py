@@ -69,16 +69,14 @@ def suite_file_keys(suite: str, scale: str) -> dict[str, Any]:
     return tomllib.loads(path.read_text()) if path.is_file() else {}
 
 
-def lr_report(suite: str, scale: str) -> Path | None:
-    """The lr search report a scale takes its learning rates from (its suite file's ``lr_from``), or None."""
+def lr_search_of(suite: str, scale: str) -> tuple[Path, dict[str, Any]] | None:
+    """The lr search a scale takes its learning rates from (its suite file's ``lr_from``): the search's report
+    folder and its choice, or None; a one-line error naming that search's command when its report is missing."""
     source = suite_file_keys(suite, scale).get("lr_from")
-    return Path("reports") / f"{suite}-{source}" if source else None
-
-
-def _read_choice(suite: str, report: Path) -> dict[str, Any]:
-    """The choice of the lr search in ``report`` (``reports/<suite>-<scale>``); a one-line error naming that search's
-    command when it is missing."""
-    return lr_search.read_choice(report, suite, report.name.removeprefix(f"{suite}-"))
+    if not source:
+        return None
+    report = Path("reports") / f"{suite}-{source}"
+    return report, lr_search.read_choice(report, suite, source)
 
 
 def suite_sweep(suite: str, scale: str):
@@ -86,18 +84,18 @@ def suite_sweep(suite: str, scale: str):
     from outlier_titan.study.spec import load_sweep
 
     sweep = load_sweep(suite_file(suite, scale))
-    report = lr_report(suite, scale)
-    if report is not None:
-        lr_search.apply_choice(sweep, _read_choice(suite, report))
+    search = lr_search_of(suite, scale)
+    if search is not None:
+        lr_search.apply_choice(sweep, search[1])
     return sweep
 
 
 def lr_choice(suite: str, scale: str, manifest: dict[str, Any]) -> str:
     """How the learning rates of the planned points (``manifest``) were chosen: from the lr search the suite file
     names (``lr_from``), else the suite file's own words (``lr_choice``), or ""."""
-    report = lr_report(suite, scale)
-    if report is None:
+    search = lr_search_of(suite, scale)
+    if search is None:
         return str(suite_file_keys(suite, scale).get("lr_choice", ""))
-    choice = _read_choice(suite, report)
+    report, choice = search
     return lr_search.header_line(choice, str(report), lr_search.untuned_points(manifest, choice))
 
