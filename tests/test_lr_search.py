@@ -3,6 +3,7 @@ grid's edge marked), its report section and json, and a scale that reads it (`lr
 at its chosen lr and naming the settings it did not tune."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +101,24 @@ def test_a_second_search_on_the_cpu_recipe_is_a_search_of_its_own(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=r"--suite sinks_vs_massive2026 --scale cpu_lr\)"):
         suite_files.suite_sweep("sinks_vs_massive2026", "cpu")
+
+
+@pytest.mark.parametrize("suite", ["he2024", "kaul2024", "park2025"])
+def test_a_tuned_scale_runs_every_arm_at_its_searched_lr_as_the_search_trained_it(suite):
+    """Every point of ``tuned`` is a setting the search tuned, at its chosen lr; its seed-0 points are the search's
+    own points at that lr (so ``--adopt reports/<suite>-lr`` takes them instead of training them again)."""
+    from outlier_titan.study import suite_files
+    from outlier_titan.study.plan import _config_diff, _defaults, _optimizer_owners
+
+    report, choice = suite_files.lr_search_of(suite, "tuned")
+    tuned = suite_files.suite_sweep(suite, "tuned")
+    assert report == Path("reports") / f"{suite}-lr" and len({p.axes["seed"] for p in tuned.points}) == 5
+    assert lr_search.apply_choice(suite_files.suite_sweep(suite, "tuned"), choice) == []  # no untuned point
+    search = {p.name: p for p in load_sweep(suite_file(suite, "lr")).points}
+    chosen = {s["grid"][[g["values"] for g in s["grid"]].index(s["chosen"])]["point"] for s in choice["settings"]}
+    seed0 = [p for p in tuned.points if p.axes["seed"] == 0]
+    assert len(seed0) == len(chosen) == len(choice["settings"])
+    for p in seed0:
+        same = [n for n in chosen if _config_diff(search[n].config_toml, p.config_toml, _defaults(),
+                                                  _optimizer_owners(), ("job", "checkpoint")) == []]
+        assert len(same) == 1, (p.name, same)

@@ -117,6 +117,48 @@ def test_plan_cli_error_exit_code(tmp_path):
     assert "did you mean 'training.steps'" in proc.stderr
 
 
+def test_fixed_from_takes_the_base_and_fixed_of_another_sweep_file(tmp_path):
+    """A search or re-run states only what it changes: its own [fixed] overrides the inherited keys, an axis here
+    drops the inherited fixed value, and a chain of files is read root first; nothing but base and [fixed] is
+    inherited."""
+    from outlier_titan.study.spec import load_sweep
+
+    write(tmp_path, f'base = "{BASE}"\nseeds = [0, 1]\n{TINY}optimizer.lr = 1e-2\nmodel.dim = 16\n', "recipe.toml")
+    write(tmp_path, 'fixed_from = "recipe.toml"\n[fixed]\ntraining.steps = 4\n', "middle.toml")
+    leaf = write(tmp_path, 'fixed_from = "middle.toml"\n[fixed]\nmodel.n_heads = 4\n'
+                           '[grid]\noptimizer.lr = [1e-3, 3e-3]\n')
+    sweep = load_sweep(leaf)
+    assert sweep.base == BASE.resolve() and [p.name for p in sweep.points] == ["lr0.001", "lr0.003"]  # no seeds axis
+    for p, lr in zip(sweep.points, (1e-3, 3e-3)):
+        cfg = p.cfg
+        assert (cfg.optimizer.lr, cfg.training.steps, cfg.model.n_heads, cfg.model.dim) == (lr, 4, 4, 16)
+        assert (cfg.model.n_layers, cfg.eval.every, cfg.observe.mode) == (1, 3, "cheap")  # from recipe.toml
+
+
+@pytest.mark.parametrize("body,expected", [
+    ('fixed_from = "nowhere.toml"\n', "fixed_from 'nowhere.toml' not found"),
+    ('fixed_from = "sweep.toml"\n', "leads back to a file already read"),
+    ('fixed_from = 3\n', "'fixed_from' must be a string"),
+    ('fixed_from = "other.toml"\n', "leads back to a file already read")])
+def test_a_bad_fixed_from_is_one_line(tmp_path, body, expected):
+    from outlier_titan.study.spec import SweepError, load_sweep
+
+    write(tmp_path, 'fixed_from = "sweep.toml"\n', "other.toml")
+    with pytest.raises(SweepError, match=expected) as e:
+        load_sweep(write(tmp_path, body))
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_every_suite_file_that_inherits_names_a_file_of_its_own_suite():
+    """The suite files that state only what they change (``fixed_from``) still plan, from their own folder."""
+    from outlier_titan.study.spec import load_sweep
+
+    inheriting = [f for f in (REPO / "train_configs" / "suites").glob("*/*.toml") if "fixed_from" in f.read_text()]
+    assert len(inheriting) >= 9
+    for f in inheriting:
+        assert load_sweep(f).points, f
+
+
 # ------------------------------------------------------------------------------------------ plan
 
 @pytest.mark.slow

@@ -19,6 +19,11 @@ A sweep file is TOML::
     [slurm]                                  # defaults of `run --slurm`
     nodes = 1
 
+``fixed_from = "cpu.toml"`` (a path relative to the sweep file) takes ``base`` and ``[fixed]`` from another sweep
+file (and from the one it names, in turn): a search or re-run of a recipe states only what it changes. This file's
+``base`` and ``[fixed]`` keys override the inherited ones, and a key that is an axis here drops the inherited fixed
+value; nothing else (name, seeds, axes, lr_from, slurm) is inherited.
+
 An axis value ``{}`` (an empty inline table) leaves the key unset at that point: for a ``[model]`` key the spec's or
 flavor's own default, so that arms on different model specs can share a zip group (``model.norm = ["layernorm",
 {}]`` beside ``model.name = ["pre_ln", "op"]``: the op spec has no ``norm``). Its column holds None.
@@ -43,7 +48,8 @@ from outlier_titan.errors import ConfigError, UserError
 from outlier_titan.packaged import renamed_config, resolve_config
 from outlier_titan.plugins import absolute, load_plugins
 
-TOP_KEYS = ("base", "name", "seeds", "tokens_per_param", "budget_params", "fixed", "grid", "zip", "slurm", "lr_choice", "lr_from")
+TOP_KEYS = ("base", "fixed_from", "name", "seeds", "tokens_per_param", "budget_params", "fixed", "grid", "zip", "slurm",
+            "lr_choice", "lr_from")
 SLURM_KEYS = {"nodes": int, "gpus_per_node": int, "cpus_per_task": int, "time": str, "partition": str,
               "account": str, "signal_seconds": int, "extra": list}
 SEED = "seed"
@@ -166,6 +172,35 @@ def _default_template(axes: list[str]) -> str:
     return "_".join(parts) or "p{index}"
 
 
+def _inherited(raw: dict[str, Any], path: Path, where: str, seen: tuple[Path, ...] = ()) -> tuple[Path | None,
+                                                                                               dict[str, Any]]:
+    """The base config (resolved) and flattened ``[fixed]`` that ``fixed_from`` hands down to ``raw`` (the file at
+    ``path``): the named file's own, over what it inherits in turn; (None, {}) without ``fixed_from``."""
+    source = raw.get("fixed_from")
+    if source is None:
+        return None, {}
+    if not isinstance(source, str):
+        raise SweepError(f"{where}: 'fixed_from' must be a string (a sweep file's path), got {source!r}")
+    parent = (path.parent / source).resolve()
+    if not parent.is_file():
+        raise SweepError(f"{where}: fixed_from {source!r} not found (looked at {parent}); name a sweep file "
+                         f"relative to this one")
+    if parent in seen or parent == path.resolve():
+        raise SweepError(f"{where}: fixed_from {source!r} leads back to a file already read ({parent}); break the "
+                         f"cycle")
+    try:
+        up = load_toml(parent)
+    except ConfigError as e:
+        raise SweepError(str(e)) from None
+    base, fixed = _inherited(up, parent, str(parent), (*seen, path.resolve()))
+    if isinstance(up.get("base"), str):
+        base = (parent.parent / up["base"]).resolve()
+    own = _flatten(up.get("fixed", {}), f"{parent} [fixed]")
+    if PLUGINS in own:  # relative to the file that names them
+        own[PLUGINS] = _plugin_paths(own[PLUGINS], parent.parent, f"{parent} [fixed]")
+    return base, {**fixed, **own}
+
+
 def load_sweep(path: str | Path) -> Sweep:
     """Reads, expands and validates a sweep file; raises :class:`SweepError`/``ConfigError`` with one line."""
     found = resolve_config(path)  # a file, else a packaged sweep file by name (sweeps/debug_scaling)
@@ -181,9 +216,10 @@ def load_sweep(path: str | Path) -> Sweep:
     unknown = sorted(set(raw) - set(TOP_KEYS))
     if unknown:
         raise SweepError(f"{where}: unknown key '{unknown[0]}'; valid: {', '.join(TOP_KEYS)}")
-    if "base" not in raw or not isinstance(raw["base"], str):
+    inherited_base, inherited_fixed = _inherited(raw, path, where)
+    if "base" in raw and not isinstance(raw["base"], str) or "base" not in raw and inherited_base is None:
         raise SweepError(f"{where}: 'base' (the train config path, relative to the sweep file) is required")
-    base = (path.parent / raw["base"]).resolve()
+    base = (path.parent / raw["base"]).resolve() if "base" in raw else inherited_base
     base = base if base.is_file() else renamed_config(base) or base
     if not base.is_file():
         raise SweepError(f"{where}: base config {raw['base']!r} not found (looked at {base})")
@@ -192,7 +228,8 @@ def load_sweep(path: str | Path) -> Sweep:
         if key in raw and not isinstance(raw[key], kind):
             raise SweepError(f"{where}: '{key}' must be a {'table' if kind is dict else 'string'}, "
                              f"got {raw[key]!r}")
-    fixed = _flatten(raw.get("fixed", {}), f"{where} [fixed]")
+    own_fixed = _flatten(raw.get("fixed", {}), f"{where} [fixed]")
+    fixed = {**inherited_fixed, **own_fixed}
     for key in fixed:
         _check_key(key, f"{where} [fixed]")
     if PLUGINS in fixed:  # imported before the points are read: their options and choices exist then
@@ -220,6 +257,9 @@ def load_sweep(path: str | Path) -> Sweep:
             raise SweepError(f"{w}: zipped axes must have equal lengths, got "
                              + ", ".join(f"{k}={n}" for k, n in lengths.items()))
         zip_groups.append(flat)
+    for key in list(grid) + [k for g in zip_groups for k in g]:  # an axis here overrides an inherited fixed value
+        if key not in own_fixed:
+            fixed.pop(key, None)
     seeds = raw.get("seeds")
     if seeds is not None:
         _axis_values(SEED, seeds, where)
