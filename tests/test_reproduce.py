@@ -384,6 +384,38 @@ def test_a_report_re_renders_in_place_from_its_own_runs_and_never_loses_a_point(
     assert (report / "report.md").read_text() == again
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("here", ["0123456789ab", "0123456789ab+dirty"])
+def test_committed_code_adopts_only_points_traced_to_a_commit(tmp_path, franke_smoke, monkeypatch, here):
+    """A point trained or evaluated by uncommitted code, or with no code record, is trained again by committed
+    code (its report must come from commits), and adopted by uncommitted code (whose report is flagged anyway)."""
+    import shutil
+
+    from outlier_titan.study import adopt
+    from outlier_titan.study.plan import build_manifest
+
+    first = tmp_path / "report-a"
+    shutil.copytree(franke_smoke[1], first)
+    records = {"pre_ln": ("0123456789ab", "0123456789ab"), "angpt": ("0123456789ab+dirty", "0123456789ab"),
+               "ngpt": ("0123456789ab", None)}  # (trained, evaluated by)
+    for point, (trained, evaluated) in records.items():
+        state, ev = first / "runs" / point / "sweep_state.json", first / "runs" / point / "step-8.json"
+        state.write_text(json.dumps({**json.loads(state.read_text()), "code": [trained]}))
+        ev.write_text(json.dumps({**json.loads(ev.read_text()), "code": evaluated}))
+    monkeypatch.setattr(adopt, "code_version", lambda: here)
+    manifest = build_manifest(load_sweep(suite_file("franke2025", "smoke")), tmp_path / "s")
+    adopted, refused = adopt.adopt_points(tmp_path / "s", manifest, first, SUITE_INFO["franke2025"].all_schemes,
+                                          "smoke")
+    if here.endswith("+dirty"):
+        assert sorted(adopted) == ["angpt", "ngpt", "pre_ln"] and refused == []
+    else:
+        assert adopted == ["pre_ln"] and refused == [
+            "angpt: trained by uncommitted code (0123456789ab+dirty); it is trained and evaluated again here (a "
+            "report's points come from committed code)",
+            "ngpt: no record of the code that evaluated it; it is trained and evaluated again here (a report's "
+            "points come from committed code)"]
+
+
 def test_adopt_refuses_a_folder_that_is_not_a_report(tmp_path):
     proc = _run("--suite", "franke2025", "--scale", "smoke", "--sweep-dir", str(tmp_path / "s"), "--adopt",
                 str(tmp_path / "nowhere"))

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from outlier_titan.errors import UserError
+from outlier_titan.provenance import code_version
 from outlier_titan.study.evaluations import EVAL_ARGS, is_evaluated
 from outlier_titan.study.plan import point_dir
 
@@ -20,6 +21,20 @@ changes none of its numbers (a tile study adopts its cpu suite's whole-axis poin
 ANATOMY_FILES = ("anatomy.md", "anatomy.json")  # what scripts/anatomy.py writes into a run folder, if it was run
 
 
+def untraced_code(trained: list[str], evaluated: str | None) -> str:
+    """Why a finished point's numbers cannot be traced to a commit ("" when they can): trained or evaluated by
+    uncommitted (``+dirty``) code, or with no record of the code."""
+    if not trained:
+        return "no record of the code that trained it"
+    if dirty := [c for c in trained if c.endswith("+dirty")]:
+        return f"trained by uncommitted code ({dirty[0]})"
+    if not evaluated:
+        return "no record of the code that evaluated it"
+    if evaluated.endswith("+dirty"):
+        return f"evaluated by uncommitted code ({evaluated})"
+    return ""
+
+
 def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, schemes: tuple[str, ...],
                  scale: str, as_evaluated: bool = False) -> tuple[list[str], list[str]]:
     """Takes over the finished, evaluated points of an earlier run from its report folder (``source/runs/<point>/``,
@@ -27,14 +42,15 @@ def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, scheme
     and a study can take the points it shares with another suite. A planned point that is unfinished here takes
     the run of the same name, else any run of ``source`` with the same config, when that run's recorded config
     equals the planned one (:data:`ADOPT_IGNORES` aside), its ``metrics.jsonl`` holds the whole run and its
-    evaluation report covers every scheme with this scale's evaluation settings. Its logs and evaluation report
+    evaluation report covers every scheme with this scale's evaluation settings, and (where this code is committed)
+    committed code trained and evaluated it (:func:`untraced_code`). Its logs and evaluation report
     (with the hidden-state picture, where the report kept one) are copied into the run folder, whose
     ``sweep_state.json`` keeps the original record plus ``adopted_from``. An adopted point has no checkpoint: it
     is neither trained nor evaluated again.
 
     ``as_evaluated``: re-rendering a report from its own runs: a point's evaluation report is taken as it was made
     (schemes added to the suite since then print as missing; other evaluation settings are kept), only its config
-    and its finished run are checked.
+    and its finished run are checked (the report's header flags untraced points).
 
     Returns (adopted point names, one line per run of the same name that was not adopted, saying why)."""
     from outlier_titan.study.plan import _config_diff, _defaults, _optimizer_owners
@@ -48,6 +64,8 @@ def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, scheme
     defaults, owners = _defaults(), _optimizer_owners()
     want = EVAL_ARGS[scale]
     adopted, refused, taken = [], [], set()
+    # committed code adopts only points it can trace to a commit; uncommitted code's own report is flagged anyway
+    committed = not code_version().endswith("+dirty")
 
     def why_not(name: str, e: dict[str, Any]) -> str:
         src, steps = runs / name, e["steps"]
@@ -62,6 +80,8 @@ def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, scheme
         if as_evaluated:
             return ""
         ev = json.loads((src / f"step-{steps}.json").read_text())
+        if committed and (untraced := untraced_code(read_state(src).get("code", []), ev.get("code"))):
+            return f"{untraced}; it is trained and evaluated again here (a report's points come from committed code)"
         cal = ev.get("calibration", {})
         if (ev.get("tokens_requested"), cal.get("batches"), cal.get("seeds")) != \
                 (want["tokens"], want["calib_batches"], want["calib_seeds"]):
