@@ -163,3 +163,13 @@ def test_each_blocks_worst_cast_snr_from_the_last_probe(tmp_path):
     assert not any(k.startswith("lp_worst") for k in rows[1])
     table = lp.layer_table(aggregate(rows, [lp.ARM, lp.PRECISION, "seed"]))
     assert table[0] == "| arm | precision | block 0 | block 1 |" and "| baseline | nvfp4 | 12.5 (1 seed) | 9 (1 seed) |" in table
+
+
+def test_a_provoked_report_opens_by_pointing_at_the_tuned_comparison():
+    from outlier_titan.study.report import SCALE_NOTES, scale_note
+    from outlier_titan.study.suite_files import SCALES
+
+    note = scale_note("lowprec2026", "provoked")
+    assert note[0].startswith("**Provoked:**") and "not at its own best lr" in note[0]
+    assert "(`reports/lowprec2026-cpu`)" in note[0] and note[1] == ""
+    assert scale_note("lowprec2026", "cpu") == [] and set(SCALE_NOTES) <= set(SCALES)

@@ -23,6 +23,30 @@ def _axes_label(row: dict[str, Any], axes: list[str]) -> str:
     return ", ".join(f"{a}={row.get(a)}" for a in axes if a != "seed")
 
 
+SCALE_NOTES = {
+    "smoke": "**Smoke scale:** tiny models trained for a few steps; these runs test the pipeline and say nothing about "
+             "the phenomena.",
+    "search": "**Calibration search:** the cpu recipe under the levers the seeds name (the suite file says which); a "
+              "verdict needs the points it compares and is not determined where the search lacks them. Read the "
+              "peaks table: whether any setting grows the phenomenon at this scale.",
+    "provoked": "**Provoked:** every arm trains at one learning rate chosen because the baseline grows the phenomenon "
+                "there (the suite file's reason is under \"How the learning rate was chosen\"), not at its own best "
+                "lr; the same arms at their tuned lrs are the cpu scale's report (`reports/{suite}-cpu`). Read these "
+                "verdicts beside those.",
+    "synthetic": "**Synthetic task:** these runs train on the Bigram-Backcopy task (`data.source = "
+                 "\"bigram_backcopy\"`, Guo et al. 2024), a generated token stream where only the copy after a "
+                 "trigger token needs attention and every window starts with BOS, not on text; what they show is the "
+                 "mechanism at small scale, beside (not instead of) the cpu scale's runs on Python source.",
+}
+"""What a report at a scale says first about how to read it (after its header), where the scale needs it."""
+
+
+def scale_note(suite: str, scale: str) -> list[str]:
+    """The report's note on reading a scale's verdicts (:data:`SCALE_NOTES`), or none."""
+    note = SCALE_NOTES.get(scale)
+    return [note.format(suite=suite), ""] if note else []
+
+
 def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: dict[str, Any],
                  columns: list[str], rows: list[dict[str, Any]], eval_failed: list[str]) -> Path:
     """``out/report.md`` with figures under ``out/figures`` and each point's logs under ``out/runs``."""
@@ -67,24 +91,7 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
              f"the papers' models are far larger and trained far longer than ours, so the comparison is of "
              f"directions and ratios, not of values.", ""] + runs
     lines += tile_grid_section(manifest)
-    if scale == "smoke":
-        lines += ["**Smoke scale:** tiny models trained for a few steps; these runs test the pipeline and say "
-                  "nothing about the phenomena.", ""]
-    if scale == "search":
-        lines += ["**Calibration search:** the cpu recipe under the levers the seeds name (the suite file says "
-                  "which); a verdict needs the points it compares and is not determined where the search lacks "
-                  "them. Read the peaks table: whether any setting grows the phenomenon at this scale.", ""]
-    if scale == "provoked":
-        lines += ["**Provoked:** every arm trains at one learning rate chosen because the baseline grows the "
-                  "phenomenon there (the suite file's reason is under \"How the learning rate was chosen\"), not at "
-                  "its own best lr; the same arms at their tuned lrs are the cpu scale's report "
-                  f"(`reports/{suite}-cpu`). Read these verdicts beside those.", ""]
-    if scale == "synthetic":
-        lines += ["**Synthetic task:** these runs train on the Bigram-Backcopy task (`data.source = "
-                  "\"bigram_backcopy\"`, Guo et al. 2024), a generated token stream where only the copy after a "
-                  "trigger token needs attention and every window starts with BOS, not on text; what they show is "
-                  "the mechanism at small scale, beside (not instead of) the cpu scale's runs on Python source.",
-                  ""]
+    lines += scale_note(suite, scale)
     if scale == "tiles" and info.tile_study:
         lines += tile_study_section(groups, info, fig_dir, scale_phrase)
     searching = scale in LR_SEARCH_SCALES  # a search decides learning rates: no claims, no summary of them
