@@ -155,8 +155,8 @@ def layer_table(groups: list[dict[str, Any]]) -> list[str]:
 def summary_section(groups: list[dict[str, Any]]) -> list[str]:
     return ["## Summary: the loss gap to BF16 per arm", "",
             "Each cell: mean ± sd over seeds. The gap is the arm's final validation loss in the low precision "
-            "relative to its own in BF16, paired by seed (same initialisation and data order); every arm trains at "
-            "the learning rate its BF16 search chose, in every precision.", "",
+            "relative to its own in BF16, paired by seed (same initialisation and data order); each arm trains at "
+            "one learning rate in every precision (\"How the learning rate was chosen\" above says which).", "",
             *gap_table(groups), "",
             "## Which blocks the casts hurt most", "",
             "Per block, the lowest quantisation SNR (dB) of its activation and output-gradient casts (attention and "
