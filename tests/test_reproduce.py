@@ -402,16 +402,17 @@ def test_committed_code_adopts_only_points_traced_to_a_commit(tmp_path, franke_s
         state, ev = first / "runs" / point / "sweep_state.json", first / "runs" / point / "step-8.json"
         state.write_text(json.dumps({**json.loads(state.read_text()), "code": [trained]}))
         ev.write_text(json.dumps({**json.loads(ev.read_text()), "code": evaluated}))
+    shutil.move(first / "runs" / "angpt", first / "runs" / "angpt_elsewhere")  # found by its config
     monkeypatch.setattr(adopt, "code_version", lambda: here)
     manifest = build_manifest(load_sweep(suite_file("franke2025", "smoke")), tmp_path / "s")
     adopted, refused = adopt.adopt_points(tmp_path / "s", manifest, first, SUITE_INFO["franke2025"].all_schemes,
                                           "smoke")
     if here.endswith("+dirty"):
-        assert sorted(adopted) == ["angpt", "ngpt", "pre_ln"] and refused == []
+        assert sorted(adopted) == ["angpt (= angpt_elsewhere)", "ngpt", "pre_ln"] and refused == []
     else:
         assert adopted == ["pre_ln"] and refused == [
-            "angpt: trained by uncommitted code (0123456789ab+dirty); it is trained and evaluated again here (a "
-            "report's points come from committed code)",
+            "angpt: angpt_elsewhere, a run with its config: trained by uncommitted code (0123456789ab+dirty); it is "
+            "trained and evaluated again here (a report's points come from committed code)",
             "ngpt: no record of the code that evaluated it; it is trained and evaluated again here (a report's "
             "points come from committed code)"]
 

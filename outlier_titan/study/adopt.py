@@ -101,7 +101,13 @@ def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, scheme
             else:
                 name = e["name"]
         if name is None:  # a run of another name with this config (another suite's shared point)
-            name = next((n for n in configs if n != e["name"] and n not in taken and not why_not(n, e)), None)
+            others = [n for n in configs if n != e["name"] and n not in taken]
+            name = next((n for n in others if not why_not(n, e)), None)
+            if name is None and e["name"] not in configs:  # say why a run with this very config was not taken
+                same = next((n for n in others if not _config_diff(configs[n], e["config"], defaults, owners,
+                                                                     ADOPT_IGNORES)), None)
+                if same is not None:
+                    refused.append(f"{e['name']}: {same}, a run with its config: {why_not(same, e)}")
         if name is None:
             continue
         src, steps = runs / name, e["steps"]
