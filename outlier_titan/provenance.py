@@ -11,6 +11,12 @@ import subprocess
 from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+UNCOMMITTED = "+dirty"  # what code_version appends when tracked files differ from the commit
+
+
+def uncommitted(code: str | None) -> bool:
+    """Whether a recorded code version (:func:`code_version`'s) was uncommitted code."""
+    return str(code or "").endswith(UNCOMMITTED)
 
 
 def _git(*args: str) -> str | None:
@@ -39,7 +45,7 @@ def code_version() -> str:
 
         return f"outlier_titan {__version__}"
     dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)reports")
-    return commit[:12] + ("+dirty" if dirty else "")
+    return commit[:12] + (UNCOMMITTED if dirty else "")
 
 
 def runtime_versions() -> dict[str, str]:

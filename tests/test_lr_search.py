@@ -113,9 +113,9 @@ def test_a_tuned_scale_runs_every_arm_at_its_searched_lr_as_the_search_trained_i
     report, choice = suite_files.lr_search_of(suite, "tuned")
     tuned = suite_files.suite_sweep(suite, "tuned")
     assert report == Path("reports") / f"{suite}-lr" and len({p.axes["seed"] for p in tuned.points}) == 5
-    assert lr_search.apply_choice(suite_files.suite_sweep(suite, "tuned"), choice) == []  # no untuned point
+    assert lr_search.apply_choice(tuned, choice) == []  # no untuned point
     search = {p.name: p for p in load_sweep(suite_file(suite, "lr")).points}
-    chosen = {s["grid"][[g["values"] for g in s["grid"]].index(s["chosen"])]["point"] for s in choice["settings"]}
+    chosen = {g["point"] for s in choice["settings"] for g in s["grid"] if g["values"] == s["chosen"]}
     seed0 = [p for p in tuned.points if p.axes["seed"] == 0]
     assert len(seed0) == len(chosen) == len(choice["settings"])
     for p in seed0:

@@ -417,6 +417,15 @@ def test_committed_code_adopts_only_points_traced_to_a_commit(tmp_path, franke_s
             "points come from committed code)"]
 
 
+def test_an_adopted_point_records_its_report_folder_as_the_repository_names_it(tmp_path, monkeypatch):
+    """reports/X, not the absolute path of the checkout or worktree it was adopted in; a folder elsewhere as given."""
+    from outlier_titan.study.adopt import _from_here
+
+    monkeypatch.chdir(tmp_path)
+    assert _from_here(tmp_path / "reports" / "kaul2024-lr") == "reports/kaul2024-lr"
+    assert _from_here(Path("/elsewhere/reports/x")) == "/elsewhere/reports/x"
+
+
 def test_adopt_refuses_a_folder_that_is_not_a_report(tmp_path):
     proc = _run("--suite", "franke2025", "--scale", "smoke", "--sweep-dir", str(tmp_path / "s"), "--adopt",
                 str(tmp_path / "nowhere"))

@@ -149,7 +149,7 @@ def test_a_bad_fixed_from_is_one_line(tmp_path, body, expected):
     assert len(str(e.value).splitlines()) == 1
 
 
-def test_every_suite_file_that_inherits_names_a_file_of_its_own_suite():
+def test_the_suite_files_that_inherit_their_recipe_plan():
     """The suite files that state only what they change (``fixed_from``) still plan, from their own folder."""
     from outlier_titan.study.spec import load_sweep
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from outlier_titan.errors import UserError
-from outlier_titan.provenance import code_version
+from outlier_titan.provenance import code_version, uncommitted
 from outlier_titan.study.evaluations import EVAL_ARGS, is_evaluated
 from outlier_titan.study.plan import point_dir
 
@@ -21,16 +21,25 @@ changes none of its numbers (a tile study adopts its cpu suite's whole-axis poin
 ANATOMY_FILES = ("anatomy.md", "anatomy.json")  # what scripts/anatomy.py writes into a run folder, if it was run
 
 
+def _from_here(source: Path) -> str:
+    """The report folder relative to the working directory where it lies under it (``reports/X``, as a report's
+    header names it, not a machine's absolute path), else as given."""
+    try:
+        return str(source.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(source)
+
+
 def untraced_code(trained: list[str], evaluated: str | None) -> str:
     """Why a finished point's numbers cannot be traced to a commit ("" when they can): trained or evaluated by
     uncommitted (``+dirty``) code, or with no record of the code."""
     if not trained:
         return "no record of the code that trained it"
-    if dirty := [c for c in trained if c.endswith("+dirty")]:
+    if dirty := [c for c in trained if uncommitted(c)]:
         return f"trained by uncommitted code ({dirty[0]})"
     if not evaluated:
         return "no record of the code that evaluated it"
-    if evaluated.endswith("+dirty"):
+    if uncommitted(evaluated):
         return f"evaluated by uncommitted code ({evaluated})"
     return ""
 
@@ -65,7 +74,7 @@ def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, scheme
     want = EVAL_ARGS[scale]
     adopted, refused, taken = [], [], set()
     # committed code adopts only points it can trace to a commit; uncommitted code's own report is flagged anyway
-    committed = not code_version().endswith("+dirty")
+    committed = not uncommitted(code_version())
 
     def why_not(name: str, e: dict[str, Any]) -> str:
         src, steps = runs / name, e["steps"]
@@ -123,7 +132,7 @@ def adopt_points(sweep_dir: Path, manifest: dict[str, Any], source: Path, scheme
         if picture.is_file():
             shutil.copy2(picture, folder / "eval" / f"step-{steps}.hidden_magnitude.png")
         state = read_state(src)  # a point the source had adopted itself keeps its first origin
-        write_state(folder, {"adopted_from": str(source), "adopted_point": name, **state})
+        write_state(folder, {"adopted_from": _from_here(Path(source)), "adopted_point": name, **state})
         adopted.append(e["name"] if name == e["name"] else f"{e['name']} (= {name})")
     return adopted, refused
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from outlier_titan.config.manager import tomllib
+from outlier_titan.provenance import uncommitted
 from outlier_titan.study.groups import finished
 from outlier_titan.study.plan import fmt_count, point_dir
 
@@ -151,9 +152,9 @@ def _versions(states: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> 
 
 def provenance_flags(states: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> str:
     """The header's warning on points without a clean record, or ""."""
-    dirty = sorted(p for p, s in states.items() if any(c.endswith("+dirty") for c in s.get("code", [])))
+    dirty = sorted(p for p, s in states.items() if any(map(uncommitted, s.get("code", []))))
     unrecorded = sorted(p for p, s in states.items() if not s.get("code"))
-    eval_dirty = sorted(r["point"] for r in finished(rows) if str(r.get("eval_code", "")).endswith("+dirty"))
+    eval_dirty = sorted(r["point"] for r in finished(rows) if uncommitted(r.get("eval_code")))
     eval_unrecorded = sorted(r["point"] for r in finished(rows) if r.get("eval_code") == "")
     parts = []
     for what, points in (("trained by uncommitted (`+dirty`) code", dirty), ("without a record of the code that "

@@ -107,7 +107,10 @@ def never_runs(job_id: str, wait_s: float = 5.0) -> str | None:
 
     deadline = time.monotonic() + wait_s
     while True:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True)
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True)
+        except OSError:  # no squeue here (a submit-only host, a stand-in sbatch): nothing to check
+            return None
         fields = out.stdout.split()
         state, reason = (fields + ["", ""])[:2]
         if state != "PENDING" or reason in NEVER_RUNS or time.monotonic() > deadline:

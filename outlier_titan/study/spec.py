@@ -181,18 +181,18 @@ def _inherited(raw: dict[str, Any], path: Path, where: str, seen: tuple[Path, ..
         return None, {}
     if not isinstance(source, str):
         raise SweepError(f"{where}: 'fixed_from' must be a string (a sweep file's path), got {source!r}")
-    parent = (path.parent / source).resolve()
+    parent, chain = (path.parent / source).resolve(), (*seen, path.resolve())
     if not parent.is_file():
         raise SweepError(f"{where}: fixed_from {source!r} not found (looked at {parent}); name a sweep file "
                          f"relative to this one")
-    if parent in seen or parent == path.resolve():
+    if parent in chain:
         raise SweepError(f"{where}: fixed_from {source!r} leads back to a file already read ({parent}); break the "
                          f"cycle")
     try:
         up = load_toml(parent)
     except ConfigError as e:
         raise SweepError(str(e)) from None
-    base, fixed = _inherited(up, parent, str(parent), (*seen, path.resolve()))
+    base, fixed = _inherited(up, parent, str(parent), chain)
     if isinstance(up.get("base"), str):
         base = (parent.parent / up["base"]).resolve()
     own = _flatten(up.get("fixed", {}), f"{parent} [fixed]")
