@@ -25,6 +25,7 @@ from outlier_titan.checkpoint.manager import (Checkpointer, ModelState, Optimize
 from outlier_titan.checkpoint.run_folder import RunFolder, check_writable, on_rank0
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import to_toml
+from outlier_titan.errors import ConfigError
 from outlier_titan.data import build_dataloader, build_tokenizer
 from outlier_titan.data.sources import tokenizer_mismatch
 from outlier_titan.eval.perplexity import validation_budget
@@ -36,7 +37,7 @@ from outlier_titan.observe.logger import MetricsLogger, Throughput
 from outlier_titan.optim.builder import (after_build, build_optimizer, check_optimizer_layout, checked_optimizer,
                                         config_owned_hyperparameters)
 from outlier_titan.optim.lr_schedule import build_lr_scheduler
-from outlier_titan.parallel.dims import ParallelDims, device_type_for, init_distributed
+from outlier_titan.parallel.dims import ParallelDims, device_type_for, fake_world, init_distributed
 from outlier_titan.parallel.grads import clip_grads, grad_norm, param_norm
 from outlier_titan.parallel.parallelize import parallelize
 from outlier_titan.remedies import Remedies, RemedyContext, validate_remedies
@@ -54,7 +55,11 @@ class Trainer(RunConsole, DivergenceGuard):
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         device_type = device_type_for(cfg.training.device)
-        self.rank, self.world_size = init_distributed(device_type, cfg.parallelism.collective_timeout_s)
+        if cfg.parallelism.fake_world_size and cfg.checkpoint.enable:
+            raise ConfigError("parallelism.fake_world_size runs rank 0 alone, which cannot save a checkpoint of "
+                              "the whole job: set checkpoint.enable = false")
+        self.rank, self.world_size = init_distributed(device_type, cfg.parallelism.collective_timeout_s,
+                                                      cfg.parallelism.fake_world_size)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
                        else torch.device("cpu"))
         self.dims = ParallelDims.from_config(cfg.parallelism, self.world_size)
@@ -398,7 +403,8 @@ class Trainer(RunConsole, DivergenceGuard):
 
     def _cpu_group(self):
         if not hasattr(self, "_gloo"):
-            self._gloo = dist.new_group(backend="gloo") if self.device.type == "cuda" else dist.group.WORLD
+            real_gpu = self.device.type == "cuda" and not fake_world()
+            self._gloo = dist.new_group(backend="gloo") if real_gpu else dist.group.WORLD
         return self._gloo
 
     def close(self) -> None:

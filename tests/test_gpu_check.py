@@ -55,13 +55,16 @@ def test_plan_covers_every_variant_and_optimizer_and_fits_the_budget(dry):
     optims = [i["optimizer"] for i in three if i["kind"] == "optim"]
     assert optims[0] == "adamw" and {"orthoadam", "soap"} <= set(optims)
     assert not set(optims) & set(gpu_plan.TORCH_OPTIMIZERS)
-    for items in (one, two, three):
+    four = gpu_plan.plan("4", dry)
+    assert [(i["dp_shard"], i.get("tp", 1), i["fake_world"]) for i in four] == [(1, 1, 0), (8, 1, 8), (4, 2, 8)]
+    for items in (one, two, three, four):
         assert len({i["name"] for i in items}) == len(items)
         assert all(i["limit_s"] <= gpu_plan.PART_BUDGET_S for i in items)
     if not dry:
         assert all(i["flavor"] == "llama_1b" for i in two)
         flavors = {i["flavor"] for i in three if i["kind"] == "train"}
         assert flavors == {f for _, f in gpu_plan.PAPER_FLAVORS}
+        assert {i["flavor"] for i in four} == {"llama_7b"}
 
 
 def test_device_plan_builds_on_the_meta_device_and_a_typo_is_caught(monkeypatch):
@@ -89,7 +92,7 @@ def test_pytest_past_its_limit_is_killed_and_counts_nothing(tmp_path):
 
 def test_unknown_part_is_a_usage_error():
     with pytest.raises(SystemExit) as e:
-        cli.main(["--part", "4", "--dry"])
+        cli.main(["--part", "5", "--dry"])
     assert e.value.code == 2
 
 
@@ -100,9 +103,9 @@ def test_dry_mode_runs_every_part_on_the_cpu(tmp_path):
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == sorted([f"gpu_check_part{n}.{ext}" for n in "123" for ext in ("json", "md")]
+    assert names == sorted([f"gpu_check_part{n}.{ext}" for n in "1234" for ext in ("json", "md")]
                            + ["gpu_check_partall.log", "pytest_gpu.xml"])
-    for n in "123":
+    for n in "1234":
         report = json.loads((tmp_path / f"gpu_check_part{n}.json").read_text())
         assert report["dry"] and report["env"]["torch"] and not report["env"]["import_failures"]
         assert report["plan_problems"] == []
@@ -121,6 +124,12 @@ def test_dry_mode_runs_every_part_on_the_cpu(tmp_path):
     steps = [it["result"]["optimizer_step_s"] for it in three["items"] if it["kind"] == "optim"]
     assert steps and all(s > 0 for s in steps)
     assert all(it["result"]["finite"] for it in three["items"] if it["kind"] == "train")
+    # part 4: rank 0 holds the share of the parameters the dry-run planner says, at world 1 and on the fake world
+    four = json.loads((tmp_path / "gpu_check_part4.json").read_text())
+    ranks = [(it["result"]["world_size"], it["result"]["local_params"], it["result"]["planned_local_params"])
+             for it in four["items"]]
+    assert [w for w, _, _ in ranks] == [1, 8, 8] and all(mine == planned for _, mine, planned in ranks), ranks
+    assert ranks[1][1] < ranks[0][1] / 7 and four["items"][0]["result"]["finite"]
 
 
 @pytest.mark.parametrize("version, ok", [("2.11.0+cu130", False), ("2.13.0+cpu", True), ("2.14.0a0+git1", True),

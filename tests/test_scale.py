@@ -100,6 +100,21 @@ def test_dry_run_7b_on_4x8_is_fast_and_counts_exactly():
         assert row in proc.stdout
 
 
+def test_rank_0_of_a_fake_world_trains_its_share_of_the_model(tmp_path):
+    """parallelism.fake_world_size: rank 0 of FSDP 2 x TP 2 in one process on the fake process group (its share of
+    the parameters against the planner's: test_gpu_check's dry part 4); checkpointing and a launcher are refused."""
+    layout = ["--model.flavor", "debug_llama", "--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
+    run = train(tmp_path, *TINY, *layout, "--parallelism.fake_world_size", "4", "--training.steps", "2").check()
+    assert "rank 0 of a fake world of 4" in run.stdout + run.stderr
+    assert [r["step"] for r in run.records if "loss" in r] == [1, 2]
+    saving = train(tmp_path, *TINY, *layout, "--parallelism.fake_world_size", "4", "--checkpoint.enable", "true",
+                   name="ckpt")
+    assert saving.returncode != 0 and "set checkpoint.enable = false" in saving.stderr
+    assert len([line for line in saving.stderr.splitlines() if line.strip()]) == 1, saving.stderr
+    launched = train(tmp_path, *TINY, "--parallelism.fake_world_size", "4", nproc=2, name="launched")
+    assert launched.returncode != 0 and "not under torchrun" in launched.stderr
+
+
 def test_mesh_that_does_not_fit_world_size_is_a_one_line_error(tmp_path):
     run = train(tmp_path, *TINY, "--parallelism.tp", "2", "--parallelism.dp_shard", "2", nproc=2)
     assert run.returncode != 0

@@ -191,6 +191,11 @@ class Parallelism:
     dp_replicate: int = opt(1, "HSDP replicate degree.")
     dp_shard: int = opt(-1, "FSDP shard degree (-1 = fill the remaining ranks).")
     tp: int = opt(1, "Tensor-parallel degree.")
+    fake_world_size: int = opt(0, "Run rank 0 alone of a job of this many ranks on torch's fake process group "
+                                  "(collectives do nothing, as torchtitan's COMM_MODE=fake_backend): the memory "
+                                  "and step time of one rank of a multi-GPU layout on one device, without a "
+                                  "cluster. Its losses are not the real job's. 0 = off; needs checkpoint.enable = "
+                                  "false and no launcher (docs/parallelism.md).")
     # --- failure detection (docs/launching.md)
     collective_timeout_s: int = opt(600, "Seconds a collective may wait for a peer before the rank fails (exit 1) "
                                          "instead of hanging: a frozen or unreachable peer then ends the job in "

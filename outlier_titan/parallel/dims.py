@@ -60,12 +60,26 @@ def device_type_for(setting: str) -> str:
     return setting
 
 
-def init_distributed(device_type: str, timeout_s: int = 600) -> tuple[int, int]:
+def fake_world() -> bool:
+    """Whether this process is rank 0 of a fake process group (``parallelism.fake_world_size``): collectives do
+    nothing, so host-side exchanges between ranks (object gathers, a gloo group) must not be attempted."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def init_fake_world(world_size: int) -> None:
+    """Rank 0 of ``world_size`` ranks on torch's fake process group (every collective returns at once)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def init_distributed(device_type: str, timeout_s: int = 600, fake_world_size: int = 0) -> tuple[int, int]:
     """Initialises the default process group (NCCL on GPU, gloo on CPU); returns (rank, world_size).
 
     Every process group (the default one, the DeviceMesh's, the host-side gloo group) waits ``timeout_s``
     for a peer (``parallelism.collective_timeout_s``), not c10d's default of 30 minutes (10 for NCCL).
     A plain ``python train.py`` (no torchrun) runs as world size 1 through the same code path.
+    ``fake_world_size`` > 0: rank 0 of that many ranks on the fake process group (:func:`init_fake_world`).
     """
     import datetime
     import os
@@ -74,6 +88,17 @@ def init_distributed(device_type: str, timeout_s: int = 600) -> tuple[int, int]:
 
     if timeout_s < 1:
         raise ConfigError(f"parallelism.collective_timeout_s = {timeout_s} must be at least 1 (seconds)")
+    if fake_world_size:
+        if fake_world_size < 1:
+            raise ConfigError(f"parallelism.fake_world_size = {fake_world_size}: give a world size of at least 1, "
+                              "or 0 for a real run")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("parallelism.fake_world_size runs rank 0 alone in one process: start it with python "
+                              "train.py, not under torchrun or srun with several ranks")
+        if device_type == "cuda":
+            torch.cuda.set_device(0)
+        init_fake_world(fake_world_size)
+        return 0, fake_world_size
     timeout = datetime.timedelta(seconds=timeout_s)
     # The groups that init_device_mesh and new_group create take c10d's module default, read at creation.
     distributed_c10d.default_pg_timeout = timeout

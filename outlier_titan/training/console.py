@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from outlier_titan.observe.logger import peak_memory_gib
+from outlier_titan.parallel.dims import fake_world
 
 
 def hms(seconds: float) -> str:
@@ -37,6 +38,8 @@ class RunConsole:
 
     def _hosts_line(self) -> str:
         """Which host each rank runs on (``hosts: node1 ranks 0-1 | node2 ranks 2-3``), from every rank."""
+        if fake_world():  # no other rank to ask
+            return f"hosts: {socket.gethostname()} rank 0 of a fake world of {self.world_size} (collectives do nothing)"
         hosts = [None] * self.world_size
         dist.all_gather_object(hosts, socket.gethostname(), group=self._cpu_group())
         ranges: list[list] = []

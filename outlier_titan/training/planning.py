@@ -24,7 +24,7 @@ from outlier_titan.lowprec.training import cast_bytes, fp8_all_gather
 from outlier_titan.models.registry import count_params, flops_per_token, model_args
 from outlier_titan.optim.builder import checked_optimizer
 from outlier_titan.remedies import validate_remedies
-from outlier_titan.parallel.dims import ParallelDims
+from outlier_titan.parallel.dims import ParallelDims, init_fake_world
 from outlier_titan.parallel.parallelize import parallelize
 
 GiB = 2**30
@@ -84,9 +84,7 @@ def plan(cfg: JobConfig) -> Plan:
     validate_remedies(cfg.remedies)
     world = p.dp_replicate * p.dp_shard * p.tp
     dims = ParallelDims.from_config(p, world)
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    init_fake_world(world)
     try:
         mesh = dims.build_mesh("cpu")
         vocab_size, tokenizer_name = planning_vocab(cfg.data.tokenizer)

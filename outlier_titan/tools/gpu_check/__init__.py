@@ -1,7 +1,7 @@
-"""The GPU check: an environment report, the ``gpu``-marked tests and the GPU benchmarks, in three parts that
+"""The GPU check: an environment report, the ``gpu``-marked tests and the GPU benchmarks, in four parts that
 each fit one 10-minute device call; ``--dry`` runs the same code paths on tiny shapes on the CPU.
 
-    python -m outlier_titan.tools.gpu_check --part 1|2|3|all [--dry] [--out DIR] [--budget SECONDS] [--only NAMES]
+    python -m outlier_titan.tools.gpu_check --part 1|2|3|4|all [--dry] [--out DIR] [--budget SECONDS] [--only NAMES]
     scripts/gpu_check.sh --part 1 [--dry]                      # the same, $OUT as the output folder
 
 Parts (see docs/gpu.md):
@@ -12,7 +12,10 @@ Parts (see docs/gpu.md):
 2. ``llama_1b`` training throughput: bf16, compile off / on, activation checkpointing none / selective;
 3. the papers' 60M-130M flavors' training throughput, and each optimizer's step (OrthoAdam, SOAP and any
    optimizer added to ``optimizer.name``'s choices besides the plain torch ones) against AdamW's at the papers'
-   batch (512 x 256 tokens).
+   batch (512 x 256 tokens);
+4. ``llama_7b`` (bf16, full activation checkpointing, one 2,048-token sequence per rank and micro-step) trained a
+   few steps on the one device, then rank 0 of its FSDP 8 and FSDP 4 x TP 2 layouts on torch's fake process group
+   (``parallelism.fake_world_size``): each rank's measured peak memory against the dry-run planner's.
 
 Every benchmark item runs in a worker process under its own time limit: an item that runs past it is killed
 and recorded as ``timeout``, and the next item starts in a fresh worker, so one slow item does not lose the

@@ -98,6 +98,41 @@ def bench_train(item: dict, dry: bool, workdir: Path) -> dict:
         _close(trainer)
 
 
+def bench_memory(item: dict, dry: bool, workdir: Path) -> dict:
+    """One rank's peak memory over its first steps (model build, optimizer state, the steps) against what the
+    dry-run planner (``--dry_run``) predicts for the same settings; the whole job on one device, or rank 0 of a
+    multi-GPU layout on the fake process group (``parallelism.fake_world_size``: collectives do nothing, so its
+    losses are not the real job's and are not reported)."""
+    from torch.distributed.tensor import DTensor
+
+    from outlier_titan.config.manager import parse_args
+    from outlier_titan.trainer import Trainer
+    from outlier_titan.training.planning import GiB, plan as dry_plan
+
+    device = _device(dry)
+    cfg = parse_args(item_argv(item, dry, workdir))
+    planned = dry_plan(cfg)  # its own fake process group, torn down before the trainer's
+    trainer = Trainer(cfg)
+    try:
+        local = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in trainer.model.parameters())
+        losses = [trainer.train_step()[0] for _ in range(item["warmup"])]
+        times = _timed(lambda: losses.append(trainer.train_step()[0]), item["steps"], device)
+        peak = _peak_memory_gib(device)
+        rows = {"params": planned.param_bytes, "grads": planned.grad_bytes, "optimizer": planned.optimizer_bytes,
+                "activations": planned.activation_bytes, "all_gather": planned.gather_bytes}
+        out = {"params": trainer.n_params, "world_size": trainer.world_size, "fake": bool(item["fake_world"]),
+               "layout": f"dp_shard {item['dp_shard']} x tp {item.get('tp', 1)}", "local_params": local,
+               "planned_local_params": planned.local_params, "planned_gib": planned.total_bytes / GiB,
+               "planned_rows_gib": {k: v / GiB for k, v in rows.items()}, "peak_memory_gib": peak,
+               "measured_over_planned": peak / (planned.total_bytes / GiB) if peak is not None else None,
+               "step_s": statistics.median(times)}
+        if not item["fake_world"]:
+            out["finite"] = all(math.isfinite(float(x)) for x in losses)
+        return out
+    finally:
+        _close(trainer)
+
+
 def bench_optim(item: dict, dry: bool, workdir: Path) -> dict:
     """The whole training step and the optimizer step alone (on the last step's gradients), medians."""
     device = _device(dry)
@@ -217,5 +252,5 @@ def bench_sleep(item: dict, dry: bool, workdir: Path) -> dict:
 
 
 KINDS = {"train": bench_train, "optim": bench_optim, "probe": bench_probe, "attention": bench_attention,
-         "sleep": bench_sleep}
+         "memory": bench_memory, "sleep": bench_sleep}
 

@@ -64,7 +64,7 @@ def run_parts(parts: tuple[str, ...], dry: bool, out: Path, budget_s: float, com
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m outlier_titan.tools.gpu_check", description=gpu_check.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", default="", help="1, 2, 3 or all")
+    parser.add_argument("--part", default="", help="1, 2, 3, 4 or all")
     parser.add_argument("--dry", action="store_true", help="the same code paths on tiny shapes on the CPU")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path.cwd() / "gpu_check_out"),
                         help="output folder (default: $OUT, else ./gpu_check_out)")
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     import outlier_titan.components  # noqa: F401  (the built-ins, before the plan reads configs)
     parts = PARTS if args.part == "all" else (args.part,)
     if not all(p in PARTS for p in parts):
-        parser.error(f"--part {args.part!r}: use 1, 2, 3 or all")
+        parser.error(f"--part {args.part!r}: use 1, 2, 3, 4 or all")
     command = "python -m outlier_titan.tools.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv)
     failed = False
     only = tuple(s.strip() for s in args.only.split(",") if s.strip())

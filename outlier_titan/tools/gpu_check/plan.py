@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 PART_BUDGET_S = 560.0  # a device call may run 600 s; the rest is start-up and writing
-PARTS = ("1", "2", "3")
+PARTS = ("1", "2", "3", "4")
 
 # Plain torch optimizers of optimizer.name; every other choice is benchmarked against AdamW.
 TORCH_OPTIMIZERS = ("adam", "sgd", "rmsprop")
@@ -83,8 +83,19 @@ def plan(part: str, dry: bool) -> list[dict]:
                                       tile_size=32) if dry else
                                  dict(flavor="kaul2024_gpt2_130m", seq_len=256, batch=512, micro=128, steps=10,
                                       warmup=3, tile_size=256, vocab_size=50304))))
+    elif part == "4":
+        # llama_7b on one device, and rank 0 of its multi-GPU layouts on the fake process group, each against the
+        # dry-run planner's memory for the same settings (full AC, one sequence per rank and micro-step)
+        for label, world, layout in (("world 1", 0, dict(dp_shard=1)), ("rank 0 of FSDP 8", 8, dict(dp_shard=8)),
+                                     ("rank 0 of FSDP 4 x TP 2", 8, dict(dp_shard=4, tp=2))):
+            dp = layout["dp_shard"]
+            items.append(dict(name=label, kind="memory", model="pre_ln", compile=False, ac="full",
+                              fake_world=world, limit_s=150 if dry else 300, **layout,
+                              **(dict(flavor="debug_llama", seq_len=32, batch=2 * dp, micro=1, steps=2, warmup=1)
+                                 if dry else dict(flavor="llama_7b", seq_len=2048, batch=2 * dp, micro=1, steps=3,
+                                                  warmup=1, vocab_size=32000))))
     else:
-        raise GpuCheckError(f"unknown part {part!r}; use 1, 2, 3 or all")
+        raise GpuCheckError(f"unknown part {part!r}; use 1, 2, 3, 4 or all")
     prec = "fp32 CPU (dry)" if dry else "bf16"
     for it in items:  # names carry what actually runs (dry mode swaps in the debug flavors)
         if it["kind"] == "train":
@@ -95,6 +106,8 @@ def plan(part: str, dry: bool) -> list[dict]:
         elif it["kind"] == "probe":
             it["name"] = (f"probe every {it['every']} on {it['model']}/{it['flavor']} {prec} "
                           f"compile {'on' if it['compile'] else 'off'}")
+        elif it["kind"] == "memory":
+            it["name"] = f"{it['model']}/{it['flavor']} {prec} AC {it['ac']}, {it['name']}"
     return items
 
 
@@ -117,6 +130,9 @@ def item_argv(item: dict, dry: bool, workdir: Path | str) -> list[str]:
                  "--optimizer.max_shards", "1"]
     if item["kind"] == "probe":
         argv += ["--observe.every", str(item["every"]), "--observe.batch_size", "4", "--observe.mode", "full"]
+    if item["kind"] == "memory":
+        argv += ["--parallelism.dp_shard", str(item["dp_shard"]), "--parallelism.tp", str(item.get("tp", 1)),
+                 "--parallelism.fake_world_size", str(item["fake_world"])]
     return argv
 
 
@@ -147,6 +163,10 @@ def check_plan(part: str) -> list[str]:
             _, _, model = build_meta_model(cfg.model, vocab, cfg.training.seq_len)
             if item["kind"] == "optim":
                 check_optimizer_layout(model, cfg.optimizer)
+            if item["kind"] == "memory":  # the layout fits its world size and the planner plans it
+                from outlier_titan.training.planning import plan as dry_plan
+
+                dry_plan(cfg)
         except Exception as e:  # noqa: BLE001 - every problem is listed
             problems.append(f"{item['name']}: {type(e).__name__}: {e}")
     return problems

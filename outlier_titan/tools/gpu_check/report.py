@@ -89,6 +89,18 @@ def _table(kind: str, rows: list[dict], items: list[dict]) -> list[str]:
                        f"{_cell(r.get('tokens_per_s'), '{:,.0f}')} | {_cell(r.get('attention_core_tflops'), '{:.1f}')} | "
                        f"{_status(it)} |")
         return out
+    if kind == "memory":
+        out = ["| run | layout | params | this rank's params (planner's) | planned memory | measured peak | "
+               "measured / planned | step | status |", "|---|---|---|---|---|---|---|---|---|"]
+        for it in rows:
+            r = it["result"] if it["status"] == "ok" else {}
+            mine = (f"{r['local_params']:,} ({r['planned_local_params']:,})" if r else "-")
+            world = f", fake world of {r['world_size']}" if r.get("fake") else ""
+            out.append(f"| {it['name']} | {r.get('layout', '-')}{world} | {_cell(r.get('params'), '{:,}')} | {mine} | "
+                       f"{_cell(r.get('planned_gib'), '{:.1f} GiB')} | {_cell(r.get('peak_memory_gib'), '{:.1f} GiB')} | "
+                       f"{_cell(r.get('measured_over_planned'), '{:.2f}')} | {_cell(r.get('step_s'), '{:.3f} s')} | "
+                       f"{_status(it)} |")
+        return out
     return ["| item | seconds | status |", "|---|---|---|"] + [f"| {it['name']} | {it['seconds']:.1f} | {_status(it)} |"
                                                               for it in rows]
 
