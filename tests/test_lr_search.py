@@ -122,3 +122,13 @@ def test_a_tuned_scale_runs_every_arm_at_its_searched_lr_as_the_search_trained_i
         same = [n for n in chosen if _config_diff(search[n].config_toml, p.config_toml, _defaults(),
                                                   _optimizer_owners(), ("job", "checkpoint")) == []]
         assert len(same) == 1, (p.name, same)
+
+
+def test_a_tuned_report_says_its_claims_about_arms_it_did_not_run_stay_the_cpu_scales():
+    """park2025's tuned scale runs Adam and OSP only: its SSNorm, EmbProj and MuonBP claims are not determined
+    there, and the report's opening note says why and where they are decided."""
+    from outlier_titan.study.report import scale_note
+
+    note = scale_note("park2025", "tuned")
+    assert note[0].startswith("**Tuned:**") and "own best learning rate" in note[0]
+    assert "(`reports/park2025-cpu`)" in note[0] and note[1] == ""

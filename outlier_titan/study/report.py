@@ -33,6 +33,9 @@ SCALE_NOTES = {
                 "there (the suite file's reason is under \"How the learning rate was chosen\"), not at its own best "
                 "lr; the same arms at their tuned lrs are the cpu scale's report (`reports/{suite}-cpu`). Read these "
                 "verdicts beside those.",
+    "tuned": "**Tuned:** each arm at its own best learning rate from the suite's lr search, with five seeds; the "
+             "scale runs only the arms that search tuned, so a claim about other arms is not determined here and "
+             "stays the cpu scale's (`reports/{suite}-cpu`).",
     "synthetic": "**Synthetic task:** these runs train on the Bigram-Backcopy task (`data.source = "
                  "\"bigram_backcopy\"`, Guo et al. 2024), a generated token stream where only the copy after a "
                  "trigger token needs attention and every window starts with BOS, not on text; what they show is the "

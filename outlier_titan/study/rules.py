@@ -95,8 +95,11 @@ def baseline_health(base: dict[str, Any] | None, rem: dict[str, Any] | None) -> 
     iv = stats.interval(d) if d else None
     if iv is None or iv[1] >= -LOSS_COST.value:
         return ""
+    # the header says how each arm's lr was chosen: at one shared lr the baseline may be mistuned, at tuned lrs
+    # the remedy simply trains better; either way the reduction is measured against a worse-trained model
     return (f"; **weak baseline**: its val loss is {-d.mean:.1%} above the remedy's (paired by seed), so the "
-            f"comparison is with a baseline that trains worse, not at its best")
+            f"reduction is measured against a model that trains clearly worse (how each arm's lr was chosen: the "
+            f"header)")
 
 
 def reduction(text: str, base: dict[str, Any] | None, rem: dict[str, Any] | None, metric: str, *,
