@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check in four parts, each one device call of under 10 minutes (docs/gpu.md):
-#   scripts/gpu_check.sh --part 1|2|3|4 [--dry] [--budget SECONDS] [--no-tests]
+#   scripts/gpu_check.sh --part 1|2|3|4|2,3,4 [--dry] [--budget SECONDS] [--no-tests]
 #   scripts/gpu_check.sh --part all --dry      # every part on tiny shapes on the CPU (what CI runs)
 # Writes gpu_check_part<N>.{json,md,log} (and pytest_gpu.xml for part 1) to $OUT, or ./gpu_check_out when
 # $OUT is unset. Uses the machine's own torch (the report names its version).

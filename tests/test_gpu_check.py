@@ -90,10 +90,20 @@ def test_pytest_past_its_limit_is_killed_and_counts_nothing(tmp_path):
     assert "killed" in (tmp_path / "log").read_text()
 
 
-def test_unknown_part_is_a_usage_error():
+@pytest.mark.parametrize("part", ["5", "3,3", "2,", ""])
+def test_unknown_part_is_a_usage_error(part):
     with pytest.raises(SystemExit) as e:
-        cli.main(["--part", "5", "--dry"])
+        cli.main(["--part", part, "--dry"])
     assert e.value.code == 2
+
+
+def test_several_parts_comma_separated_plan_together(capsys):
+    """``--part 3,4`` takes both parts' items (here only planned: --only names none, a usage error listing them)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--part", "3,4", "--dry", "--only", "no such item"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "adamw on pre_ln/debug" in err and "rank 0 of FSDP 4 x TP 2" in err
 
 
 @pytest.mark.slow

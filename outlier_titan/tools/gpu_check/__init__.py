@@ -1,7 +1,7 @@
 """The GPU check: an environment report, the ``gpu``-marked tests and the GPU benchmarks, in four parts that
 each fit one 10-minute device call; ``--dry`` runs the same code paths on tiny shapes on the CPU.
 
-    python -m outlier_titan.tools.gpu_check --part 1|2|3|4|all [--dry] [--out DIR] [--budget SECONDS] [--only NAMES]
+    python -m outlier_titan.tools.gpu_check --part 1|2|3|4|2,3,4|all [--dry] [--out DIR] [--budget SECONDS] [--only NAMES]
     scripts/gpu_check.sh --part 1 [--dry]                      # the same, $OUT as the output folder
 
 Parts (see docs/gpu.md):

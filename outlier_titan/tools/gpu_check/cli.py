@@ -22,11 +22,11 @@ def run_parts(parts: tuple[str, ...], dry: bool, out: Path, budget_s: float, com
               tests: bool = True, items: dict[str, list[dict]] | None = None, only: tuple[str, ...] = ()
               ) -> list[dict]:
     """Runs the parts' items in one chain of workers (``budget_s`` per part) and writes each part's JSON and
-    markdown; the log is ``gpu_check_part<N>.log`` (``all`` when several parts run). ``only``: just the items
+    markdown; the log is ``gpu_check_part<N>.log`` (``all`` when every part runs, ``2-3-4`` for parts 2,3,4). ``only``: just the items
     whose name contains one of these strings."""
     out.mkdir(parents=True, exist_ok=True)
     t_end = time.monotonic() + budget_s * len(parts)
-    label = parts[0] if len(parts) == 1 else "all"
+    label = "all" if set(parts) == set(PARTS) and len(parts) > 1 else "-".join(parts)
     plans = {part: plan(part, dry) if items is None else items[part] for part in parts}
     if only:
         plans = {part: [it for it in chain if named(it, only)] for part, chain in plans.items()}
@@ -64,7 +64,7 @@ def run_parts(parts: tuple[str, ...], dry: bool, out: Path, budget_s: float, com
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m outlier_titan.tools.gpu_check", description=gpu_check.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", default="", help="1, 2, 3, 4 or all")
+    parser.add_argument("--part", default="", help="1, 2, 3, 4, several comma-separated (2,3,4) or all")
     parser.add_argument("--dry", action="store_true", help="the same code paths on tiny shapes on the CPU")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path.cwd() / "gpu_check_out"),
                         help="output folder (default: $OUT, else ./gpu_check_out)")
@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:  # it imports the built-ins for the items that need them
         return worker(Path(args.worker), args.start, Path(args.events), args.dry)
     import outlier_titan.components  # noqa: F401  (the built-ins, before the plan reads configs)
-    parts = PARTS if args.part == "all" else (args.part,)
-    if not all(p in PARTS for p in parts):
-        parser.error(f"--part {args.part!r}: use 1, 2, 3, 4 or all")
+    parts = PARTS if args.part == "all" else tuple(p.strip() for p in args.part.split(","))
+    if not parts or not all(p in PARTS for p in parts) or len(set(parts)) != len(parts):
+        parser.error(f"--part {args.part!r}: use 1, 2, 3, 4, several of them comma-separated (e.g. 2,3,4) or all")
     command = "python -m outlier_titan.tools.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv)
     failed = False
     only = tuple(s.strip() for s in args.only.split(",") if s.strip())
