@@ -25,9 +25,9 @@ from outlier_titan.checkpoint.manager import (Checkpointer, ModelState, Optimize
 from outlier_titan.checkpoint.run_folder import RunFolder, check_writable, on_rank0
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.config.manager import to_toml
-from outlier_titan.errors import ConfigError
 from outlier_titan.data import build_dataloader, build_tokenizer
 from outlier_titan.data.sources import tokenizer_mismatch
+from outlier_titan.errors import ConfigError
 from outlier_titan.eval.perplexity import validation_budget
 from outlier_titan.hf.load import apply_initial_model, load_model_state
 from outlier_titan.lowprec.training import set_rng_position

@@ -22,8 +22,8 @@ def run_parts(parts: tuple[str, ...], dry: bool, out: Path, budget_s: float, com
               tests: bool = True, items: dict[str, list[dict]] | None = None, only: tuple[str, ...] = ()
               ) -> list[dict]:
     """Runs the parts' items in one chain of workers (``budget_s`` per part) and writes each part's JSON and
-    markdown; the log is ``gpu_check_part<N>.log`` (``all`` when every part runs, ``2-3-4`` for parts 2,3,4). ``only``: just the items
-    whose name contains one of these strings."""
+    markdown; the log is ``gpu_check_part<N>.log`` (``all`` when every part runs, ``2-3-4`` for parts 2,3,4).
+    ``only``: just the items whose name contains one of these strings."""
     out.mkdir(parents=True, exist_ok=True)
     t_end = time.monotonic() + budget_s * len(parts)
     label = "all" if set(parts) == set(PARTS) and len(parts) > 1 else "-".join(parts)
