@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from outlier_titan import tensors
 from outlier_titan.config.job_config import JobConfig
 from outlier_titan.data.sources import tokenizer_mismatch
 from outlier_titan.data.tokenizer import planning_vocab
@@ -49,6 +49,12 @@ class Plan:
     def total_bytes(self) -> float:
         return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
                 + self.gather_bytes)
+
+
+def rank_params(model: torch.nn.Module) -> int:
+    """The parameters this rank holds: its shards of DTensor parameters, the rest whole (tied weights once:
+    ``parameters()`` yields a shared tensor once)."""
+    return sum(tensors.local(p).numel() for p in model.parameters())
 
 
 def activation_bytes(cfg: JobConfig, dims: ParallelDims, n_layers: int, dim: int, n_heads: int,
@@ -101,13 +107,7 @@ def plan(cfg: JobConfig) -> Plan:
         device_type = "cuda" if cuda_like else "cpu"
         lowprec_lines: list[str] = []
         converted = parallelize(model, spec, args, cfg, dims, mesh, device_type, log=lowprec_lines.append)
-        local, largest_block = 0, 0
-        seen = set()
-        for p_ in model.parameters():
-            if id(p_) in seen:
-                continue
-            seen.add(id(p_))
-            local += (p_.to_local() if isinstance(p_, DTensor) else p_).numel()
+        local, largest_block = rank_params(model), 0
         lowprec, gathered_fp8 = "", set()
         if converted:
             recipe = RECIPES[cfg.low_precision.recipe]

@@ -103,18 +103,16 @@ def bench_memory(item: dict, dry: bool, workdir: Path) -> dict:
     dry-run planner (``--dry_run``) predicts for the same settings; the whole job on one device, or rank 0 of a
     multi-GPU layout on the fake process group (``parallelism.fake_world_size``: collectives do nothing, so its
     losses are not the real job's and are not reported)."""
-    from torch.distributed.tensor import DTensor
-
     from outlier_titan.config.manager import parse_args
     from outlier_titan.trainer import Trainer
-    from outlier_titan.training.planning import GiB, plan as dry_plan
+    from outlier_titan.training.planning import GiB, plan as dry_plan, rank_params
 
     device = _device(dry)
     cfg = parse_args(item_argv(item, dry, workdir))
     planned = dry_plan(cfg)  # its own fake process group, torn down before the trainer's
     trainer = Trainer(cfg)
     try:
-        local = sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in trainer.model.parameters())
+        local = rank_params(trainer.model)
         losses = [trainer.train_step()[0] for _ in range(item["warmup"])]
         times = _timed(lambda: losses.append(trainer.train_step()[0]), item["steps"], device)
         peak = _peak_memory_gib(device)

@@ -26,7 +26,7 @@ def run_parts(parts: tuple[str, ...], dry: bool, out: Path, budget_s: float, com
     ``only``: just the items whose name contains one of these strings."""
     out.mkdir(parents=True, exist_ok=True)
     t_end = time.monotonic() + budget_s * len(parts)
-    label = "all" if set(parts) == set(PARTS) and len(parts) > 1 else "-".join(parts)
+    label = "all" if set(parts) == set(PARTS) else "-".join(parts)
     plans = {part: plan(part, dry) if items is None else items[part] for part in parts}
     if only:
         plans = {part: [it for it in chain if named(it, only)] for part, chain in plans.items()}
