@@ -144,8 +144,9 @@ def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path, request):
 @pytest.mark.slow
 def test_gpu_dry_run_lists_the_papers_runs_on_1_and_8_gpus():
     expected = {"kaul2024": (8, "orthoadam_softmax1_rmsnorm_single"), "he2024": (8, "op_soap"),
-                "franke2025": (3, "angpt"), "sinks2025": (18, "orthoadam_softpick")}
-    # the four plans side by side (each is a subprocess of its own: ~15 s of imports and meta-device planning)
+                "franke2025": (3, "angpt"), "sinks2025": (18, "orthoadam_softpick"),
+                "sinks_vs_massive2026": (24, "v_scale_s0")}
+    # the five plans side by side (each is a subprocess of its own: ~15 s of imports and meta-device planning)
     with ThreadPoolExecutor(len(expected)) as pool:
         procs = dict(zip(expected, pool.map(lambda suite: _run("--suite", suite, "--scale", "gpu", "--dry-run",
                                                                "--tokenizer", str(EMBEDDED_BPE), timeout=300),

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Reproduce a paper's phenomena: run its suite (a sweep), evaluate every final checkpoint, write the report.
 
-    outlier-titan-reproduce --suite {kaul2024|he2024|franke2025|sinks2025|park2025|sinks_vs_massive2026} --scale {smoke|cpu|gpu} [--out DIR]
+    outlier-titan-reproduce --suite SUITE --scale {smoke|cpu|gpu} [--out DIR]
     outlier-titan-reproduce --suite kaul2024 --scale search --parallel 2  # the cpu scale's calibration search
     outlier-titan-reproduce --suite kaul2024 --scale synthetic --parallel 2  # on the Bigram-Backcopy task
     outlier-titan-reproduce --suite kaul2024 --scale cpu --slurm [--slurm-args "--partition gpu ..."]
@@ -10,10 +10,8 @@
     outlier-titan-reproduce --suite he2024 --scale cpu --adopt reports/he2024-cpu  # go on from another machine's part
     outlier-titan-reproduce --suite he2024 --scale tiles --adopt reports/he2024-cpu  # take the points they share
 
-The suites are sweep files under ``train_configs/suites/<suite>/<scale>.toml`` (every suite has smoke, cpu and
-gpu; kaul2024 and sinks2025 also synthetic; kaul2024 and he2024 also search and tiles; the lr searches `lr` and,
-for sinks_vs_massive2026, `cpu_lr` on its cpu recipe; kaul2024's `tuned` re-run at the searched lrs; lowprec2026's
-`provoked`, every arm at the lr where its baseline grows outlier features); the run folders go to
+The suites are sweep files under ``train_configs/suites/<suite>/<scale>.toml`` (each suite's scales are listed
+below; what each scale is: ``outlier_titan/study/suite_files.py``); the run folders go to
 ``--sweep-dir`` (default ``outputs/reproduce/<suite>-<scale>``), the report (``report.md``, ``figures/``,
 ``results.csv``, ``runs/<point>/`` logs) to ``--out`` (default ``reports/<suite>-<scale>``). Running again skips
 finished points and evaluations. ``--adopt DIR`` takes over the finished, evaluated points of a report folder
@@ -40,9 +38,17 @@ from outlier_titan.study.suite_files import SCALES
 from outlier_titan.study.suites import SUITE_NAMES
 
 
+def _scales_table() -> str:
+    """The scales each suite has, read from its sweep files (so --help never lists a scale that is not there)."""
+    from outlier_titan.study.suite_files import suite_scales
+    width = max(map(len, SUITE_NAMES))
+    return "\nScales each suite has:\n" + "".join(
+        f"  {name:<{width}}  {', '.join(suite_scales(name))}\n" for name in SUITE_NAMES)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     argv = take_plugins(argv)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__ + _scales_table(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plugins", metavar="A,B", help=PLUGINS_HELP)
     p.add_argument("--suite", required=True, choices=SUITE_NAMES)
