@@ -18,7 +18,7 @@ import torch
 from outlier_titan.data.tokenizer import EMBEDDED_BPE
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.provenance import code_version
-from outlier_titan.study.suites import SUITE_INFO
+from outlier_titan.study.suites import SUITE_INFO, SUITE_NAMES
 from outlier_titan.study.stats import VERDICTS, estimate
 from outlier_titan.study import stats
 from outlier_titan.study.suites.he2024 import claims as claims_he
@@ -455,3 +455,15 @@ def test_anatomy_section_summarises_the_copied_anatomy_of_each_point(tmp_path):
     rows = [ln for ln in lines if ln.startswith("| [")]
     assert rows == [f"| [op_soap_s0](runs/op_soap_s0/anatomy.md) | 100 | 100: {format_value(85.0)} (0), {format_value(3.0)}; "
                     f"200: {format_value(12.0)} (1), {format_value(0.5)} |"]
+
+
+def test_help_lists_each_suites_scales_from_its_sweep_files(capsys):
+    from outlier_titan.study.suite_files import suite_scales
+    from outlier_titan.tools.reproduce import parse
+
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    lines = capsys.readouterr().out.split("Scales each suite has:\n", 1)[1].splitlines()
+    listed = {ln.split()[0]: ln.split(None, 1)[1] for ln in lines if ln.strip()}
+    assert listed == {s: ", ".join(suite_scales(s)) for s in SUITE_NAMES}
+    assert "gpu" in listed["sinks_vs_massive2026"] and "tuned" in listed["he2024"]
