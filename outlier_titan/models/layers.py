@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from outlier_titan.models.attention import attention_weights, max_logits, run_attention
 from outlier_titan.models.attention_variants import AttentionOptions, get_variant
 from outlier_titan.models.value_path import HeadRMSNorm, VScale
+from outlier_titan.models.smooth_swiglu import TokenScale, smoothed_down
 
 
 class RMSNorm(nn.Module):
@@ -235,18 +236,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """gelu / relu: w2(act(w1 x)); swiglu: w2(silu(w1 x) * w3 x)."""
+    """gelu / relu: w2(act(w1 x)); swiglu: w2(silu(w1 x) * w3 x); ``smooth``: Smooth-SwiGLU's per-token rescaling
+    around w2 (:mod:`outlier_titan.models.smooth_swiglu`)."""
 
-    def __init__(self, dim: int, hidden: int, kind: str, bias: bool):
+    def __init__(self, dim: int, hidden: int, kind: str, bias: bool, smooth: bool = False):
         super().__init__()
         self.kind = kind
         self.w1 = nn.Linear(dim, hidden, bias=bias)
         self.w2 = nn.Linear(hidden, dim, bias=bias)
         self.w3 = nn.Linear(dim, hidden, bias=bias) if kind == "swiglu" else None
+        self.smooth_scale = TokenScale() if smooth else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w1(x)
         if self.kind == "swiglu":
+            if self.smooth_scale is not None:
+                return smoothed_down(self.w2, F.silu(h), self.w3(x), self.smooth_scale)
             h = F.silu(h) * self.w3(x)
         elif self.kind == "gelu":
             h = F.gelu(h, approximate="tanh")

@@ -5,6 +5,7 @@ Residual stream between blocks: local tensors sharded on the sequence dim (Shard
   attention / feed_forward inputs               all-gather sequence -> Replicate
   wq, wk, wv, w1, w3                            ColwiseParallel   (weight Shard(0): local heads / hidden)
   wo, w2                                        RowwiseParallel   (weight Shard(1)), reduce-scatter -> Shard(1)
+  feed_forward.smooth_scale (Smooth-SwiGLU)     MaxOverShards: its per-token max all-reduced over the TP ranks
   q_norm, k_norm (per head)                     Replicate params over the local-head dim (Shard(1) of q/k)
   a variant's modules (attention.<name>)       by their declared placement (PLACEMENTS): colwise ->
                                                 ColwiseParallel, heads -> ShardedParams
@@ -29,6 +30,7 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -74,6 +76,8 @@ def tp_block_plan(block: nn.Module, *, norms: bool = True) -> dict:
     }
     if getattr(block.feed_forward, "w3", None) is not None:
         plan["feed_forward.w3"] = ColwiseParallel()
+    if getattr(block.feed_forward, "smooth_scale", None) is not None:
+        plan["feed_forward.smooth_scale"] = MaxOverShards()
     variant = getattr(block.attention, "variant", None)
     for p in get_variant(variant).params if variant is not None else ():
         plan[f"attention.{p.name}"] = PLACEMENTS[p.placement]()
@@ -188,6 +192,21 @@ class ShardedParams(ParallelStyle):
             module.register_parameter(p_name, nn.Parameter(distribute_tensor(p, device_mesh, [Shard(0)]),
                                                            requires_grad=p.requires_grad))
         return module
+
+
+class MaxOverShards(ParallelStyle):
+    """For a parameter-free module that returns a per-token maximum over its TP-local hidden units (Smooth-SwiGLU's
+    scale, ``models/smooth_swiglu.py``): its output is all-reduced (max) over the TP mesh, so every rank holds the
+    maximum over all units, and the module learns its rank's sequence chunk (``sequence_shard``) for the outputs
+    that come back sequence-sharded. The output is never differentiated."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.sequence_shard = (device_mesh.get_local_rank(), device_mesh.size())
+
+        def reduce_max(mod, outputs, mesh):
+            return funcol.all_reduce(outputs, "max", mesh)
+
+        return distribute_module(module, device_mesh, output_fn=reduce_max)
 
 
 PLACEMENTS = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from outlier_titan.models.smooth_swiglu import SmoothSwiGLUOptions
 from outlier_titan.models.spec import ModelSpec, TPPlan, register_spec
 from outlier_titan.models.value_path import VALUE_PATH_TP, ValuePathOptions
 from outlier_titan.options import opt
@@ -13,7 +14,7 @@ OP_BLOCKS = ("op", "pre_ln", "pre_rms", "pre_srms", "post_ln")
 
 
 @dataclass
-class OPOptions(ValuePathOptions):
+class OPOptions(ValuePathOptions, SmoothSwiGLUOptions):
     block: str = opt("op", "Block variant: the Outlier Protected block or a baseline of He et al. 2024.", OP_BLOCKS)
     final_norm: bool = opt(False, "A final norm before the head (OP: none).")
     residual_scale: float = opt(0.2, "beta, the residual-branch scale (its init when trainable).")

@@ -65,6 +65,7 @@ from outlier_titan.models.layers import MLP, Attention, LayerNorm, RotaryEmbeddi
 from outlier_titan.models.op import OP_BLOCKS, OPOptions
 from outlier_titan.models.pre_ln.model import build_rope, rope_dims
 from outlier_titan.models.roles import DEFAULT_ROLES
+from outlier_titan.models.smooth_swiglu import check_smooth_swiglu
 from outlier_titan.models.value_path import value_path_steps
 
 _BLOCK_NORM = {"pre_ln": "layernorm", "pre_rms": "rmsnorm", "pre_srms": "rmsnorm_nogain", "post_ln": "layernorm"}
@@ -118,6 +119,7 @@ class OPArgs(AttentionArgs, OPOptions):
         if self.mlp_alpha not in ("none", "analytic", "trainable"):
             raise ConfigError(f"model.mlp_alpha = {self.mlp_alpha!r} is not a mode")
         pre_norm = self.block in ("pre_ln", "pre_rms", "pre_srms")
+        check_smooth_swiglu(self)
         validate_attention_args(self, "op", () if pre_norm else input_reading_variants(),
                                 f"block {self.block!r} has no normalised attention input for the variant's "
                                 f"input projections")
@@ -204,7 +206,7 @@ class OPBlock(nn.Module):
                                    if args.input_norm and layer_id == 0 else None)
             self.ffn_norm = None
         self.attention = OPAttention(args, rope, layer_id)
-        self.feed_forward = MLP(args.dim, args.ffn_hidden, args.mlp, args.bias)
+        self.feed_forward = MLP(args.dim, args.ffn_hidden, args.mlp, args.bias, smooth=args.smooth_swiglu)
         mode = args.residual_scale_mode
         self.attn_scale = None if mode == "none" else Scale(mode, args.residual_scale, args.dim)
         self.mlp_scale = None if mode == "none" else Scale(mode, args.residual_scale, args.dim)

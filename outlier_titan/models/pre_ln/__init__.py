@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from outlier_titan.models.smooth_swiglu import SmoothSwiGLUOptions
 from outlier_titan.models.spec import ModelSpec, TPPlan, register_spec
 from outlier_titan.models.value_path import VALUE_PATH_TP, ValuePathOptions
 from outlier_titan.options import opt
@@ -13,7 +14,7 @@ NORMS = ("layernorm", "rmsnorm", "rmsnorm_single", "rmsnorm_nogain")
 
 
 @dataclass
-class PreLNOptions(ValuePathOptions):
+class PreLNOptions(ValuePathOptions, SmoothSwiGLUOptions):
     norm: str = opt("layernorm", "Norm type (rmsnorm_single: one scalar gain, Kaul et al. 2024's RMSNormSingle; "
                                  "rmsnorm_nogain: no gain).", NORMS)
     embed_proj: bool = opt(False, "Outlier-Safe Pre-Training's embedding projection (Park et al. 2025): learnable d x d "

@@ -12,7 +12,8 @@ gain | rmsnorm_nogain), ``attention`` (softmax | softmax1, exact | the sink reme
 ``pos_encoding`` (learned | rope | none),
 ``rope_fraction`` (share of each head's dims that RoPE rotates; GPT+ uses 0.5), ``bias``, ``qk_norm``,
 ``mlp``, ``tie_embeddings``; on the value path (:mod:`outlier_titan.models.value_path`) ``v_scale`` (Chen, Lin, Yao
-2026's V-scale) and ``head_norm`` (Li et al. 2026's head-wise RMSNorm).
+2026's V-scale) and ``head_norm`` (Li et al. 2026's head-wise RMSNorm); ``smooth_swiglu`` (Fishman et al. 2024,
+:mod:`outlier_titan.models.smooth_swiglu`).
 
 Kaul et al. 2024 flavors (``kaul2024_*``, formerly ``seed000_*``; the paper gives sizes only, no shapes): RMSNormSingle at every norm site
 (pre-attention, pre-MLP, final), no biases in any linear layer, learned absolute positions, GELU, tied
@@ -50,6 +51,7 @@ from outlier_titan.models.init import Initializer
 from outlier_titan.models.layers import MLP, Attention, RotaryEmbedding, build_norm, init_norms
 from outlier_titan.models.pre_ln import PreLNOptions
 from outlier_titan.models.roles import DEFAULT_ROLES
+from outlier_titan.models.smooth_swiglu import check_smooth_swiglu
 from outlier_titan.models.value_path import value_path_steps
 
 
@@ -91,6 +93,7 @@ class PreLNArgs(AttentionArgs, PreLNOptions):
         if self.pos_encoding == "rope":
             rope_dims(self.dim // self.n_heads, self.rope_fraction)
         validate_attention_args(self, "pre_ln")
+        check_smooth_swiglu(self)
 
 
 def rope_dims(head_dim: int, fraction: float) -> int:
@@ -134,7 +137,7 @@ class Block(nn.Module):
                                    qk_norm=args.qk_norm, rope=rope, norm_eps=args.norm_eps, opts=opts,
                                    **value_path_steps(args))
         self.ffn_norm = build_norm(args.norm, args.dim, args.norm_eps, args.bias)
-        self.feed_forward = MLP(args.dim, args.ffn_hidden, args.mlp, args.bias)
+        self.feed_forward = MLP(args.dim, args.ffn_hidden, args.mlp, args.bias, smooth=args.smooth_swiglu)
 
     @property
     def pre_attention_norm(self) -> nn.Module:
