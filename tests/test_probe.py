@@ -150,10 +150,32 @@ def test_planted_first_token_outlier_is_seen():
     assert planted["outliers/kurtosis_rest"] == pytest.approx(base["outliers/kurtosis_rest"], rel=0.5)
 
 
+@pytest.mark.parametrize("flavor, options", [("debug", {}), ("debug_llama", {"smooth_swiglu": True})])
+def test_a_no_grad_forward_after_the_probe_on_compiled_blocks_runs_without_its_hooks(flavor, options):
+    """Dynamo guards neither the hook attributes nor the forward hooks the probe sets on modules (its defaults
+    ``guard_nn_modules = False``, ``skip_nnmodule_hook_guards = True``): a no-grad forward after the probe (the
+    divergence guard's read-ahead before a save) reused the probe's graph and called a hook the probe had removed
+    (``compile.enable`` + ``observe.mode = "full"`` crashed at the first save after a probe). The probe's forward
+    runs eager."""
+    torch._dynamo.reset()
+    model, tok = build(flavor, **options), tokens(2, 16)
+    with torch.no_grad():
+        want = model(tok)
+    for block in model.layers.values():
+        block.compile(backend="eager")
+    model(tok)
+    OutlierProbe(model, Observe(mode="full")).run(tok)
+    with torch.no_grad():
+        got = model(tok)
+    torch._dynamo.reset()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_probe_on_compiled_blocks_equals_eager_and_compiles_as_many_graphs_at_any_depth():
-    """With ``compile.enable`` the blocks are compiled and the probe's hooks run inside them. The hooks run eager
-    (``torch.compiler.disable``): traced, their growing dictionaries were guards, so Dynamo compiled each layer
-    again until its recompile limit (8) and a 12-layer model's first probe took 21 s on an H200."""
+    """With ``compile.enable`` the blocks are compiled; the probe's forward runs them eager
+    (``torch.compiler.set_stance``) and its hooks are ``torch.compiler.disable``d: traced, their growing
+    dictionaries were guards, so Dynamo compiled each layer again until its recompile limit (8) and a 12-layer
+    model's first probe took 21 s on an H200. The count of graphs does not grow with depth."""
     from torch._dynamo.utils import counters
 
     graphs = {}

@@ -99,6 +99,36 @@ def test_a_per_tensor_fp8_cast_keeps_the_other_tokens_precision_beside_a_quadrat
     assert errors[0] > 0.3 and errors[1] < 0.1, errors
 
 
+def test_the_super_weight_rule_reads_the_down_projection_of_the_plain_swiglu():
+    """Yu et al.'s rule reads the model's down projection: with Smooth-SwiGLU, detection and the probe's metric find
+    the super weight planted in tests/test_super_weights.py with the same spikes as the plain SwiGLU with the same
+    weights, although w2's own operands are rescaled (its input spike is far smaller)."""
+    from outlier_titan.config.job_config import Observe
+    from outlier_titan.observe import super_weights as sw
+    from outlier_titan.observe.probe import OutlierProbe
+    from tests.test_super_weights import PLANT, captured, plant, tokens
+
+    models = []
+    for smooth in (False, True):
+        spec, args = model_args(ModelConfig(name="pre_ln", flavor="debug_llama", smooth_swiglu=smooth), 512, 16)
+        model = spec.build(args)
+        model.init_weights(Initializer(7, "cpu"))
+        model = model.double()
+        plant(model)
+        models.append(model)
+    toks = tokens()
+    plain, smooth = (sw.detect(m, toks) for m in models)
+    assert [(f.layer, f.row, f.col) for f in smooth] == [PLANT] == [(f.layer, f.row, f.col) for f in plain]
+    assert smooth[0].act_in == pytest.approx(plain[0].act_in, rel=1e-12)
+    assert smooth[0].act_out == pytest.approx(plain[0].act_out, rel=1e-12)
+    assert captured(models[1], toks)[PLANT[0]][0].abs().max() < abs(plain[0].act_in) / 10  # w2's own input
+    probed = [OutlierProbe(m, Observe(mode="full")).run(toks)[0] for m in models]
+    keys = [k for k in probed[0] if k.rsplit("/", 1)[-1] in ("super_weight", "sa_in", "sa_out", "sw_value")]
+    assert len(keys) >= 4 * len(models[0].layers)
+    for key in keys:
+        assert probed[1][key] == pytest.approx(probed[0][key], rel=1e-9), key
+
+
 def test_it_needs_the_swiglu_mlp_in_one_line():
     cfg = parse_args(["--config", str(REPO / "train_configs/debug.toml"), "--model.smooth_swiglu", "true"])
     with pytest.raises(ConfigError) as e:

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from outlier_titan.models.attention import attention_weights, max_logits, run_attention
 from outlier_titan.models.attention_variants import AttentionOptions, get_variant
-from outlier_titan.models.value_path import HeadRMSNorm, VScale
 from outlier_titan.models.smooth_swiglu import TokenScale, smoothed_down
+from outlier_titan.models.value_path import HeadRMSNorm, VScale
 
 
 class RMSNorm(nn.Module):

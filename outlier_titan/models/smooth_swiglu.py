@@ -24,6 +24,7 @@ only), and a token whose linear branch is all zero keeps ``s = 1``.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ import torch.nn as nn
 
 from outlier_titan.errors import ConfigError
 from outlier_titan.options import opt
+from outlier_titan.tensors import full, local
 
 
 @dataclass
@@ -58,6 +60,8 @@ class TokenScale(nn.Module):
     sequence-sharded output holds."""
 
     sequence_shard: tuple[int, int] | None = None
+    record = False  # on for one forward of a reader of w2's input and output (:func:`recording_scales`)
+    last: torch.Tensor | None = None  # the scale of that forward, [B, T, 1], every token
 
     def forward(self, linear_branch: torch.Tensor) -> torch.Tensor:
         return linear_branch.detach().abs().amax(-1, keepdim=True)
@@ -72,13 +76,37 @@ class TokenScale(nn.Module):
         rank, size = self.sequence_shard
         return s.chunk(size, dim=1)[rank]
 
+    def plain(self, x_in: torch.Tensor, x_out: torch.Tensor, bias: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """w2's whole input [B, T, F] and output [B, T, D] of the recorded forward as the plain SwiGLU has them:
+        the super-weight rule (Yu et al. 2024) reads the model's down projection, not its rescaled operands."""
+        s = self.last
+        if s is None:
+            raise RuntimeError("Smooth-SwiGLU: no scale recorded; read w2 inside recording_scales(model)")
+        b = 0.0 if bias is None else full(bias).detach()
+        return x_in * s, (x_out - b) * s + b
+
+
+@contextmanager
+def recording_scales(model: nn.Module):
+    """Every Smooth-SwiGLU scale of ``model`` keeps its ``s`` for the forwards inside the block (a reader of w2's
+    input and output undoes the rescaling with :meth:`TokenScale.plain`); nothing is kept afterwards."""
+    scales = [m for m in model.modules() if isinstance(m, TokenScale)]
+    for m in scales:
+        m.record = True
+    try:
+        yield
+    finally:
+        for m in scales:
+            m.record, m.last = False, None
+
 
 def smoothed_down(w2: nn.Linear, gate: torch.Tensor, linear_branch: torch.Tensor, scale: TokenScale) -> torch.Tensor:
     """``w2(gate * linear_branch / s) * s`` (+ w2's bias after the product), ``s`` from ``scale``."""
-    from outlier_titan.tensors import local
-
     s = scale(linear_branch)
     s = torch.where(s > 0, s, torch.ones_like(s))
+    if scale.record:
+        scale.last = s
     y = w2(gate * (linear_branch / s))
     s = scale.rows_of(s, y)
     if w2.bias is None:

@@ -62,13 +62,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 from outlier_titan.config.job_config import Observe
 from outlier_titan.models.attention_variants import get_variant
 from outlier_titan.models.layers import Attention
+from outlier_titan.models.smooth_swiglu import recording_scales
 from outlier_titan.observe import lowprec, metrics
 from outlier_titan.observe.metrics import F64
 from outlier_titan.observe import outliers as om
 from outlier_titan.observe import panel
 from outlier_titan.observe.pictures import (attention_map_image, hidden_magnitude_image, lowprec_image,
                                             sinks_massive_image)
-from outlier_titan.observe.super_weights import down_projections
+from outlier_titan.observe.super_weights import down_projections, plain_down_io
 from outlier_titan.tensors import gathered
 
 PREFIX = "outliers"
@@ -157,6 +158,7 @@ class OutlierProbe:
         def down_hook(name):
             def hook(module, inputs, output):
                 x_in, x_out, w, r = self._down_proj(module, inputs[0], output, seq_len)
+                x_in, x_out = plain_down_io(self.model, name, x_in, x_out)
                 rep["res"] |= r
                 inp = metrics.DownProjInput(x_in, x_out, w, self._global_max)
                 res.setdefault(name, {}).update({m.key: m.sums(inp) for m in self.metrics["down_proj"]})
@@ -224,7 +226,11 @@ class OutlierProbe:
                         if self.metrics["logits"]:
                             m.logit_hook = logit_hook(name, m)
                         hooked.append(m)
-            logits = self.model(tokens)
+            # eager even where blocks are compiled: Dynamo guards neither the hook attributes nor the forward hooks
+            # set above (its guard_nn_modules / skip_nnmodule_hook_guards defaults), so a graph of this forward
+            # would later serve a no-grad forward with the hooks gone, and this one could reuse a graph without them
+            with recording_scales(self.model), torch.compiler.set_stance("force_eager"):
+                logits = self.model(tokens)
         finally:
             for h in handles:
                 h.remove()

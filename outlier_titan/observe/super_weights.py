@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from outlier_titan.models.smooth_swiglu import recording_scales
 from outlier_titan.observe.metrics import F64, register_metric
 
 SPIKE_THRESHOLD = 50.0
@@ -59,6 +60,16 @@ def down_projections(model: nn.Module) -> dict[str, nn.Linear]:
     return out
 
 
+def plain_down_io(model: nn.Module, name: str, x_in: torch.Tensor, x_out: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block ``name``'s down-projection input and output as the plain SwiGLU has them: under Smooth-SwiGLU w2 reads
+    the linear branch divided per token by a scale (``models/smooth_swiglu.py``; recorded by the forward inside
+    ``recording_scales``), which the rule must not see; otherwise as they are."""
+    mlp = model.layers[name].feed_forward
+    scale = getattr(mlp, "smooth_scale", None)
+    return (x_in, x_out) if scale is None else scale.plain(x_in, x_out, mlp.w2.bias)
+
+
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -87,13 +98,15 @@ def layer_spikes(model: nn.Module, tokens: torch.Tensor) -> dict[str, dict[str, 
     handles = []
     for name, lin in down_projections(model).items():
         def hook(_m, inputs, output, name=name):
-            v_in, c_in = spike(inputs[0])
-            v_out, c_out = spike(output)
+            x_in, x_out = plain_down_io(model, name, inputs[0], output)
+            v_in, c_in = spike(x_in)
+            v_out, c_out = spike(x_out)
             found[name] = {"in": float(v_in), "in_channel": float(c_in), "out": float(v_out),
                            "out_channel": float(c_out)}
         handles.append(lin.register_forward_hook(hook))
     try:
-        model(tokens)
+        with recording_scales(model):
+            model(tokens)
     finally:
         for h in handles:
             h.remove()
