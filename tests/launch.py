@@ -16,6 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = ["--training.steps", "20", "--training.seq_len", "64", "--training.global_batch_size", "8",
         "--metrics.log_every", "1", "--eval.every", "0", "--observe.every", "0", "--checkpoint.enable", "false",
         "--metrics.tensorboard", "false", "--lr_scheduler.warmup_steps", "2"]
+LAYOUTS = {"one_rank": (1, []), "fsdp2": (2, []), "fsdp2_tp2": (4, ["--parallelism.tp", "2"])}
+"""The layouts a distributed test trains on and compares: name -> (ranks, extra options)."""
 
 
 @dataclass

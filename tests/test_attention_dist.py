@@ -4,11 +4,10 @@ one per block (``model.attention_layers``)."""
 
 import pytest
 
-from tests.launch import TINY, assert_losses_close, train
+from tests.launch import LAYOUTS, TINY, assert_losses_close, train
 
 pytestmark = pytest.mark.dist
 
-LAYOUTS = {"one_rank": (1, []), "fsdp2": (2, []), "fsdp2_tp2": (4, ["--parallelism.tp", "2"])}
 STEPS = ["--training.steps", "8"]
 # Every new variant plus softmax-1, one per block of an 8-block Llama-style debug model (GQA 4 / 2 heads); sink
 # logits out of weight decay.

@@ -6,11 +6,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.launch import TINY, assert_losses_close, train
+from tests.launch import LAYOUTS, TINY, assert_losses_close, train
 
 pytestmark = pytest.mark.dist
 
-LAYOUTS = {"one_rank": (1, []), "fsdp2": (2, []), "fsdp2_tp2": (4, ["--parallelism.tp", "2"])}
 # anGPT / nGPT: their optimizer setting (Adam, no weight decay) at a learning rate that moves in 20 steps.
 SPEC_ARGS = {
     "pre_ln": [],

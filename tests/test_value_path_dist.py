@@ -8,11 +8,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from outlier_titan.config.job_config import Model as ModelConfig
 from outlier_titan.models.registry import model_args
-from tests.launch import TINY, assert_losses_close, train
+from tests.launch import LAYOUTS, TINY, assert_losses_close, train
 
 pytestmark = pytest.mark.dist
 
-LAYOUTS = {"one_rank": (1, []), "fsdp2": (2, []), "fsdp2_tp2": (4, ["--parallelism.tp", "2"])}
 CHECKPOINT = ["--checkpoint.enable", "true", "--checkpoint.interval", "20", "--checkpoint.keep_latest_k", "1"]
 
 

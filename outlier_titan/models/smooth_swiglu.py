@@ -11,8 +11,9 @@ linear branch by a scale before that input is quantised and multiplies the down 
 
 In exact arithmetic ``y`` is the plain SwiGLU MLP's output for any ``s`` (``w2`` is linear), so the option changes
 nothing but rounding until ``w2``'s input is quantised: a low-precision training recipe with one scale per tensor
-(``training.precision = "fp8_tensorwise"``) or a PTQ scheme's per-tensor activation quantiser. Under per-row or
-per-block recipes (``fp8_rowwise``, MX, NVFP4) every token already has its own scales and the option changes little.
+(``low_precision.recipe = "fp8_tensorwise"``; NVFP4 too, whose block scales sit under one scale per tensor) or a
+PTQ scheme's per-tensor activation quantiser. Under ``fp8_rowwise`` and MX every token has scales of its own and
+the option changes little (tests/test_smooth_swiglu.py measures each).
 
 Our reading, where the paper and the code differ: the paper writes the factor per channel; the released code
 (``ScaledSwiglu`` in ``experimental/fp8_linear.py``, with its 7B script's settings: not delayed, detached), which we
@@ -83,8 +84,7 @@ class TokenScale(nn.Module):
         s = self.last
         if s is None:
             raise RuntimeError("Smooth-SwiGLU: no scale recorded; read w2 inside recording_scales(model)")
-        b = 0.0 if bias is None else full(bias).detach()
-        return x_in * s, (x_out - b) * s + b
+        return x_in * s, _times_scale(x_out, s, None if bias is None else full(bias).detach())
 
 
 @contextmanager
@@ -104,12 +104,13 @@ def recording_scales(model: nn.Module):
 def smoothed_down(w2: nn.Linear, gate: torch.Tensor, linear_branch: torch.Tensor, scale: TokenScale) -> torch.Tensor:
     """``w2(gate * linear_branch / s) * s`` (+ w2's bias after the product), ``s`` from ``scale``."""
     s = scale(linear_branch)
-    s = torch.where(s > 0, s, torch.ones_like(s))
+    s = torch.where(s > 0, s, 1.0)
     if scale.record:
         scale.last = s
     y = w2(gate * (linear_branch / s))
-    s = scale.rows_of(s, y)
-    if w2.bias is None:
-        return y * s
-    bias = local(w2.bias)
-    return (y - bias) * s + bias
+    return _times_scale(y, scale.rows_of(s, y), None if w2.bias is None else local(w2.bias))
+
+
+def _times_scale(y: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A linear layer's output ``y`` (its ``bias`` included) for an input ``s`` times larger: ``(y - b) s + b``."""
+    return y * s if bias is None else (y - bias) * s + bias
