@@ -1,6 +1,6 @@
 """Super weights (Yu et al. 2024, arXiv 2411.07191): detection against a float64 reference on planted super
 weights, no false positive on a Gaussian model, the zeroing schemes, and the probe metric at 1, 2 and 4 ranks
-(FSDP2, FSDP2 x TP2)."""
+(FSDP2, FSDP2 x TP2), Smooth-SwiGLU's under TP included."""
 
 from __future__ import annotations
 
@@ -22,7 +22,11 @@ from outlier_titan.quant.ptq import quantized
 from tests.launch import gloo_group
 
 SEED, VOCAB, SEQ, BATCH = 7, 512, 16, 4
-FLAVORS = {"gpt2": "debug", "llama": "debug_llama"}
+# name -> (flavor, further model options); smooth_swiglu's rule reads the plain SwiGLU's down projection (w2's operands
+# times the per-token scale, all-reduced over TP shards), so it must find what the plain llama finds
+FLAVORS = {"gpt2": ("debug", {}), "llama": ("debug_llama", {}),
+           "smooth_swiglu": ("debug_llama", {"smooth_swiglu": True})}
+PLAIN = ("gpt2", "llama")  # the rule reads w2's own operands (Smooth-SwiGLU's case: tests/test_smooth_swiglu.py)
 PLANT = ("1", 7, 5)  # layer, row (output channel), col (input channel)
 
 
@@ -31,7 +35,8 @@ def tokens(seed: int = 11) -> torch.Tensor:
 
 
 def build(flavor: str, device: str = "cpu"):
-    spec, args = model_args(Model(name="pre_ln", flavor=FLAVORS[flavor]), vocab_size=VOCAB, seq_len=SEQ)
+    name, options = FLAVORS[flavor]
+    spec, args = model_args(Model(name="pre_ln", flavor=name, **options), vocab_size=VOCAB, seq_len=SEQ)
     with torch.device(device):
         return spec, args, spec.build(args)
 
@@ -92,7 +97,7 @@ def reference_top1(t: torch.Tensor) -> tuple[float, int]:
     return float(flat[i]), i % t.shape[-1]
 
 
-@pytest.mark.parametrize("flavor", list(FLAVORS))
+@pytest.mark.parametrize("flavor", PLAIN)
 def test_detection_finds_the_planted_super_weight_like_the_float64_reference(flavor):
     model = model64(flavor)
     toks = tokens()
@@ -110,7 +115,7 @@ def test_detection_finds_the_planted_super_weight_like_the_float64_reference(fla
     assert sum(p.numel() for p in model.parameters()) and model.layers[PLANT[0]].feed_forward.w2.weight[7, 5] == 3.0
 
 
-@pytest.mark.parametrize("flavor", list(FLAVORS))
+@pytest.mark.parametrize("flavor", PLAIN)
 def test_no_super_weight_in_a_gaussian_model(flavor):
     model = model64(flavor, planted=False)
     toks = tokens()
@@ -183,7 +188,7 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world,layouts", [(2, [(1, 2, 1, ("gpt2", "llama"))]),
-                                            (4, [(1, 4, 1, ("llama",)), (1, 2, 2, ("gpt2", "llama"))])],
+                                            (4, [(1, 4, 1, ("llama",)), (1, 2, 2, ("gpt2", "llama", "smooth_swiglu"))])],
                          ids=["fsdp2", "fsdp4-fsdp2xtp2"])
 def test_tracked_super_weight_equal_at_1_2_4_ranks_and_tp(world, layouts, tmp_path):
     refs = {}
@@ -195,6 +200,9 @@ def test_tracked_super_weight_equal_at_1_2_4_ranks_and_tp(world, layouts, tmp_pa
         n_layers = len(model.layers)
         assert refs[flavor][f"outliers/layer_{PLANT[0]}/super_weight"] == 1.0
         assert refs[flavor][f"outliers/layer_{PLANT[0]}/sw_value"] == 3.0
+    sw_names = [k for k in refs["llama"] if k.rsplit("/", 1)[-1] in sw.SUPER_WEIGHTS.names]
+    assert {k: refs["smooth_swiglu"][k] for k in sw_names} == pytest.approx({k: refs["llama"][k] for k in sw_names},
+                                                                            rel=1e-5, abs=1e-7)
     mp.start_processes(_worker, args=(world, free_port(), layouts, str(tmp_path)), nprocs=world, join=True,
                        start_method="spawn")
     per_rank = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
