@@ -65,12 +65,25 @@ def _catches(pid: int, signum: int) -> bool:
     return False
 
 
+def _execed(pid: int) -> bool:
+    """Whether ``pid`` runs its own program yet. Between fork and exec a child is a copy of this launcher, with its
+    handlers in SigCgt: a signal sent then stays pending (the child blocks signals while it resets the handlers to
+    the defaults for exec) and kills the rank with the default action once unblocked."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as child, open("/proc/self/cmdline", "rb") as own:
+            return child.read() != own.read()
+    except OSError:
+        return False
+
+
 def _ready(pid: int, signum: int) -> bool:
-    """Whether rank ``pid`` handles ``signum`` its own way now. SIGINT is caught by every Python from its start
-    (KeyboardInterrupt), so for it the rank's note that ``preempt.install_early`` ran is what counts."""
-    if signum == signal.SIGINT:
-        return os.path.exists(os.path.join(os.environ.get(ERROR_DIR_ENV, ""), f"ready-{pid}"))
-    return _catches(pid, signum)
+    """Whether rank ``pid`` handles ``signum`` its own way now: its note that ``preempt.install_early`` ran (every
+    forwarded signal and SIGINT are caught from then on), or, for a program that does not write one, its own handler
+    for ``signum`` once it has left the launcher's image. SIGINT is caught by every Python from its start
+    (KeyboardInterrupt), so for it only the note counts."""
+    if os.path.exists(os.path.join(os.environ.get(ERROR_DIR_ENV, ""), f"ready-{pid}")):
+        return True
+    return signum != signal.SIGINT and _catches(pid, signum) and _execed(pid)
 
 
 def _forward_forever(interval: float = 0.1) -> None:

@@ -290,6 +290,41 @@ def test_launcher_exit_code_decision(codes, user, failure, aborted, want):
     assert decide(codes, user, failure, aborted) == want
 
 
+def test_a_child_between_fork_and_exec_gets_no_signal_though_it_shows_the_launchers_handlers(tmp_path, monkeypatch):
+    """The window that made the start-up USR1 case flaky under load: a forked child still has this process's
+    handlers in its SigCgt until it execs, yet a signal sent then kills it (its handlers are reset to the defaults
+    before exec, the signal pending). Only a child running its own program with its own handler is ready; a rank's
+    ``ready-<pid>`` note counts whatever SigCgt shows."""
+    from outlier_titan import launch
+    from outlier_titan.preempt import ERROR_DIR_ENV
+
+    monkeypatch.setenv(ERROR_DIR_ENV, str(tmp_path))
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the launcher's copy, not exec'd yet
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    try:
+        assert launch._catches(pid, signal.SIGUSR1)  # what the old check read: "ready"
+        assert not launch._ready(pid, signal.SIGUSR1)
+        (tmp_path / f"ready-{pid}").touch()
+        assert launch._ready(pid, signal.SIGUSR1) and launch._ready(pid, signal.SIGINT)
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+        signal.signal(signal.SIGUSR1, previous)
+    own = subprocess.Popen([sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGUSR1, print); "
+                            "print(flush=True); sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        own.stdout.readline()  # its handler is installed
+        assert launch._ready(own.pid, signal.SIGUSR1) and not launch._ready(own.pid, signal.SIGINT)
+    finally:
+        own.communicate(b"")
+
+
 def test_a_sigterm_death_counts_when_the_launcher_was_signalled():
     """With a SIGTERM sent to the launcher (forwarded to the ranks), a rank killed by it is a failure, not
     collateral of its peers' error."""
