@@ -103,18 +103,23 @@ def test_a_second_search_on_the_cpu_recipe_is_a_search_of_its_own(tmp_path, monk
         suite_files.suite_sweep("sinks_vs_massive2026", "cpu")
 
 
-@pytest.mark.parametrize("suite", ["he2024", "kaul2024", "park2025"])
-def test_a_tuned_scale_runs_every_arm_at_its_searched_lr_as_the_search_trained_it(suite):
-    """Every point of ``tuned`` is a setting the search tuned, at its chosen lr; its seed-0 points are the search's
-    own points at that lr (so ``--adopt reports/<suite>-lr`` takes them instead of training them again)."""
+@pytest.mark.parametrize("suite,scale,search_scale,n_seeds", [
+    ("he2024", "tuned", "lr", 5), ("kaul2024", "tuned", "lr", 5), ("park2025", "tuned", "lr", 5),
+    ("sinks_vs_massive2026", "synthetic", "lr", 3), ("sinks_vs_massive2026", "cpu", "cpu_lr", 3)])
+def test_a_tuned_scale_runs_every_arm_at_its_searched_lr_as_the_search_trained_it(suite, scale, search_scale,
+                                                                                   n_seeds):
+    """Every point of a tuned scale is a setting the search tuned, at its chosen lr; its seed-0 points are the
+    search's own points at that lr (so ``--adopt reports/<suite>-<search>`` takes them instead of training them
+    again)."""
     from outlier_titan.study import suite_files
     from outlier_titan.study.plan import _config_diff, _defaults, _optimizer_owners
 
-    report, choice = suite_files.lr_search_of(suite, "tuned")
-    tuned = suite_files.suite_sweep(suite, "tuned")
-    assert report == Path("reports") / f"{suite}-lr" and len({p.axes["seed"] for p in tuned.points}) == 5
+    report, choice = suite_files.lr_search_of(suite, scale)
+    tuned = suite_files.suite_sweep(suite, scale)
+    assert report == Path("reports") / f"{suite}-{search_scale}"
+    assert len({p.axes["seed"] for p in tuned.points}) == n_seeds
     assert lr_search.apply_choice(tuned, choice) == []  # no untuned point
-    search = {p.name: p for p in load_sweep(suite_file(suite, "lr")).points}
+    search = {p.name: p for p in load_sweep(suite_file(suite, search_scale)).points}
     chosen = {g["point"] for s in choice["settings"] for g in s["grid"] if g["values"] == s["chosen"]}
     seed0 = [p for p in tuned.points if p.axes["seed"] == 0]
     assert len(seed0) == len(chosen) == len(choice["settings"])
