@@ -34,9 +34,14 @@ def _states(sweep_dir: Path, rows: list[dict[str, Any]]) -> dict[str, dict[str, 
     return {r["point"]: read_state(point_dir(sweep_dir, r["point"])) for r in finished(rows)}
 
 
+def _plural(n, noun: str) -> str:
+    """``1 layer``, ``4 layers``."""
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
 def _counted(values: list[str]) -> str:
     """``a (3 points), b (1 point)``."""
-    return ", ".join(f"{v} ({n} point{'s' * (n != 1)})" for v, n in Counter(values).items())
+    return ", ".join(f"{v} ({_plural(n, 'point')})" for v, n in Counter(values).items())
 
 
 def corpus_tokens(tokenizer_spec: str) -> int | None:
@@ -103,7 +108,8 @@ def _model_line(configs: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) 
         m = c.get("model", {})
         shape = (f"{m.get('name')}" + (f" ({m.get('block')} block)" if m.get("block") and m.get("block") !=
                                        m.get("name") else "")
-                 + f", {m.get('n_layers')} layers × width {m.get('dim')}, {m.get('n_heads')} heads")
+                 + f", {_plural(m.get('n_layers'), 'layer')} × width {m.get('dim')}, "
+                   f"{_plural(m.get('n_heads'), 'head')}")
         if params.get(point):
             shapes.setdefault(shape, []).append(params[point])
     line = "; ".join(f"{s}: {_span(p)} parameters" for s, p in shapes.items())
