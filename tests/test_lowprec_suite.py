@@ -48,7 +48,22 @@ def test_a_remedy_keeps_bf16s_loss_where_the_baseline_loses_it():
     assert v["op_soap@nvfp4"] == stats.NOT_REPRODUCED
     # FP8: the baseline's 1 % gap is not above 2 %, nothing to keep
     assert v["orthoadam@fp8_rowwise"] == stats.UNTESTABLE and v["op_soap@fp8_rowwise"] == stats.UNTESTABLE
-    assert v["osp@nvfp4"] == stats.MISSING  # no such arm in these groups
+    # claims are made for what the scale ran: no osp arm, no fp8_tensorwise points here
+    assert not [k for k in v if k.startswith("osp@") or k.endswith("@fp8_tensorwise")]
+
+
+def test_a_claim_the_scale_ran_but_a_point_lacks_is_missing_and_tweos_names_its_paper():
+    """Per tensor FP8 run for the baseline and TWEO only: their claim is made (TWEO's quoting its paper's claim), the
+    other arms' in that precision are "missing" (a scale that ran the precision lacks their points)."""
+    arms = {"baseline": {**_arm(0.01, 0.10), "fp8_tensorwise": [x * 1.2 for x in BF16]},
+            "tweo": {**_arm(0.0, 0.01), "fp8_tensorwise": [x * 1.005 for x in BF16]}, "gated": _arm(0.0, 0.01)}
+    got = {t: (v, d) for t, v, d in lp.claims(_groups(arms)) if " trains in " in t}
+    tweo = next(t for t in got if t.startswith("tweo trains in fp8_tensorwise"))
+    assert got[tweo][0] == stats.REPRODUCED and "Liang et al. 2025 (arXiv 2511.23225)" in tweo
+    assert got[next(t for t in got if t.startswith("gated trains in fp8_tensorwise"))][0] == stats.MISSING
+    assert "Liang" not in next(t for t in got if t.startswith("gated trains in nvfp4"))
+    table = lp.gap_table(_groups(arms))
+    assert "fp8_tensorwise gap" in table[0] and "+20.00%" in next(r for r in table if r.startswith("| baseline"))
 
 
 def test_the_gap_is_paired_by_seed():
@@ -104,6 +119,7 @@ def test_the_lr_search_plans_every_arm_on_its_own_spec():
     sweep = load_sweep(suite_file("lowprec2026", "lr"))
     arms = {p.axes[lp.ARM]: p.cfg for p in sweep.points}
     assert set(arms) == {lp.BASELINE, *lp.REMEDIES}
+    assert [a for a, cfg in arms.items() if cfg.remedies.tweo] == ["tweo"]
     assert arms["op_soap"].model.name == "op" and arms["op_soap"].model.norm is None
     assert arms["osp"].model.embed_proj is True and arms["osp"].optimizer.name == "muon"
     assert {p.cfg.optimizer.lr for p in sweep.points} == {1e-3, 3e-3, 1e-2, 3e-2}

@@ -1,13 +1,15 @@
 """Does a remedy keep training at BF16's loss in FP8 or FP4? The stack's outlier remedies, each trained in BF16, FP8
-rowwise and NVFP4 (``[low_precision]``, docs/low_precision.md) at the learning rate its BF16 search chose.
+(per row and per tensor) and NVFP4 (``[low_precision]``, docs/low_precision.md) at the learning rate its BF16 search
+chose.
 
 Arms (``job.description``): the Pre-LN + AdamW baseline, OrthoAdam + softmax-1 + single-scale RMSNorm (Kaul et al.
-2024), OP + SOAP (He et al. 2024), the OSP recipe, Muon + single-scale RMSNorm + EmbProj (Park et al. 2025), and the
-elementwise-gated attention (Qiu et al. 2025) against the first-token sink. The claims (docs/low_precision.md,
-"The suite lowprec2026"): per low precision, a remedy trains within 2 % of its own BF16 loss where the baseline
-does not (the field's question; NVIDIA 2025, arXiv 2509.25149, and Fishman et al. 2024, arXiv 2409.12517, saw the
-gap open from outliers); and the BF16 run's kurtosis ranks the gaps (Hernández-Cano et al. 2025, arXiv 2505.20524,
-monitor kurtosis to predict FP8 divergence)."""
+2024), OP + SOAP (He et al. 2024), the OSP recipe, Muon + single-scale RMSNorm + EmbProj (Park et al. 2025), the
+elementwise-gated attention (Qiu et al. 2025) against the first-token sink, and the TWEO loss term (Liang et al.
+2025). The claims (docs/low_precision.md, "The suite lowprec2026"): per low precision, a remedy trains within 2 % of
+its own BF16 loss where the baseline does not (the field's question; NVIDIA 2025, arXiv 2509.25149, and Fishman et
+al. 2024, arXiv 2409.12517, saw the gap open from outliers; TWEO's paper claims it for per-tensor FP8); and the BF16
+run's kurtosis ranks the gaps (Hernández-Cano et al. 2025, arXiv 2505.20524, monitor kurtosis to predict FP8
+divergence). Claims are made for the arms and precisions a scale ran."""
 
 from __future__ import annotations
 
@@ -26,9 +28,14 @@ from outlier_titan.study.suites.base import Suite, SuiteInfo
 ARM = "job.description"
 PRECISION = "low_precision.recipe"
 BASELINE = "baseline"
-REMEDIES = ("orthoadam", "op_soap", "osp", "gated")
+REMEDIES = ("orthoadam", "op_soap", "osp", "gated", "tweo")
 HIGH = "bf16"
-LOW = ("fp8_rowwise", "nvfp4")
+LOW = ("fp8_rowwise", "fp8_tensorwise", "nvfp4")
+"""The low precisions a claim can be about, in table order; a report has the ones its scale ran."""
+PAPER_CLAIMS = {"tweo": "the claim of Liang et al. 2025 (arXiv 2511.23225), made for per-tensor FP8 with delayed "
+                        "scaling: GPT-2 124M ends at PPL 19.3 against BF16's 18.7, where the baseline's FP8 run ends "
+                        "at 169.8"}
+"""Arms whose paper makes the claim itself (the others answer the field's question)."""
 PREDICTOR = "kurtosis_rest"
 """The BF16 run's measure whose rank order the gap claim tests (Hernández-Cano et al. 2025 monitor activation
 kurtosis; ours is the probe's per-token kurtosis of the other tokens, the suites' common measure)."""
@@ -41,7 +48,8 @@ INFO = SuiteInfo(
     title="lowprec2026: which outlier remedy keeps training at BF16's loss in FP8 and NVFP4",
     citation="NVIDIA 2025 (arXiv 2509.25149); Hernández-Cano et al. 2025 (arXiv 2505.20524); Fishman et al. 2024 "
              "(arXiv 2409.12517); Kaul et al., ICLR 2025 (arXiv 2410.17174); He et al. 2024 (arXiv 2405.19279); "
-             "Park et al. 2025 (arXiv 2506.19697); Qiu et al. 2025 (arXiv 2505.06708)",
+             "Park et al. 2025 (arXiv 2506.19697); Qiu et al. 2025 (arXiv 2505.06708); Liang et al. 2025 "
+             "(arXiv 2511.23225)",
     metrics={"ppl": "PPL", "kurtosis_rest": "κ>₁", "max_abs_all": "max |act|", "first_share": "%First"},
     schemes=(),  # no paper's PTQ scheme: the 4-bit rows every suite adds are tabled, no verdict rests on them
     kurtosis="kurtosis_rest",
@@ -51,6 +59,13 @@ INFO = SuiteInfo(
 
 def _group(groups: list[dict[str, Any]], arm: str, precision: str) -> dict[str, Any] | None:
     return first_match(groups, {ARM: arm, PRECISION: precision})
+
+
+def _ran(groups: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """The remedies and the low precisions with a finished point in ``groups`` (a scale runs a subset), in table
+    order."""
+    return ([a for a in REMEDIES if any(g.get(ARM) == a for g in groups)],
+            [p for p in LOW if any(g.get(PRECISION) == p for g in groups)])
 
 
 def gap(groups: list[dict[str, Any]], arm: str, precision: str):
@@ -66,7 +81,7 @@ def _pct(e) -> str:
 def _keeps_claim(groups: list[dict[str, Any]], arm: str, precision: str) -> Claim:
     tol = LOW_PRECISION_GAP.value
     text = (f"{arm} trains in {precision} within {tol:.0%} of its BF16 val loss, where the baseline does not "
-            f"(paired by seed)")
+            f"(paired by seed" + (f"; {PAPER_CLAIMS[arm]})" if arm in PAPER_CLAIMS else ")"))
     b, r = gap(groups, BASELINE, precision), gap(groups, arm, precision)
     if b is None or r is None:
         return text, stats.MISSING, "a point is missing, or the arms ran different seeds"
@@ -82,7 +97,7 @@ def _predictor_claim(groups: list[dict[str, Any]], precision: str) -> Claim:
     text = (f"the BF16 run's final kurtosis (other tokens) ranks the {precision} loss gap: the more kurtosis, the "
             f"larger the gap (Hernández-Cano et al. 2025; over every arm and seed)")
     xs, ys = [], []
-    for arm in (BASELINE, *REMEDIES):
+    for arm in (BASELINE, *_ran(groups)[0]):
         high, d = _group(groups, arm, HIGH), gap(groups, arm, precision)
         k = estimate_of(high, PREDICTOR)
         if d is None or k is None or k.n != d.n:
@@ -96,25 +111,28 @@ def _predictor_claim(groups: list[dict[str, Any]], precision: str) -> Claim:
 
 
 def claims(groups: list[dict[str, Any]]) -> list[Claim]:
-    """Per low precision: each remedy keeps BF16's loss where the baseline does not; the kurtosis ranks the gaps."""
+    """Per low precision the scale ran: each remedy it ran keeps BF16's loss where the baseline does not; the
+    kurtosis ranks the gaps."""
+    arms, lows = _ran(groups)
     out: list[Claim] = []
-    for precision in LOW:
-        out += [_keeps_claim(groups, arm, precision) for arm in REMEDIES]
+    for precision in lows:
+        out += [_keeps_claim(groups, arm, precision) for arm in arms]
         out.append(_predictor_claim(groups, precision))
     return out
 
 
 def gap_table(groups: list[dict[str, Any]]) -> list[str]:
     """Markdown: per arm, the BF16 val loss and kurtosis, and per low precision the val loss and the paired gap."""
-    head = ["| arm | BF16 val loss | BF16 κ>₁ | " + " | ".join(f"{p} val loss | {p} gap" for p in LOW) + " |",
-            "|---|---|---|" + "---|---|" * len(LOW)]
+    arms, lows = _ran(groups)
+    head = ["| arm | BF16 val loss | BF16 κ>₁ | " + " | ".join(f"{p} val loss | {p} gap" for p in lows) + " |",
+            "|---|---|---|" + "---|---|" * len(lows)]
     body = []
-    for arm in (BASELINE, *REMEDIES):
+    for arm in (BASELINE, *arms):
         high = _group(groups, arm, HIGH)
-        if high is None and all(_group(groups, arm, p) is None for p in LOW):
+        if high is None and all(_group(groups, arm, p) is None for p in lows):
             continue
         cells = [format_value(estimate_of(high, "final_val_loss")), format_value(estimate_of(high, PREDICTOR))]
-        for p in LOW:
+        for p in lows:
             d = gap(groups, arm, p)
             cells += [format_value(estimate_of(_group(groups, arm, p), "final_val_loss")),
                       _pct(d) if d else "—"]
