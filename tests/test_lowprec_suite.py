@@ -66,6 +66,52 @@ def test_a_claim_the_scale_ran_but_a_point_lacks_is_missing_and_tweos_names_its_
     assert "fp8_tensorwise gap" in table[0] and "+20.00%" in next(r for r in table if r.startswith("| baseline"))
 
 
+def test_a_collapse_in_low_precision_is_the_effect_not_a_missing_point(tmp_path):
+    """A run the divergence guard stopped (exit 3) has no final loss: a baseline that collapses in FP8 at every
+    seed shows the effect (Liang et al.'s collapse), a remedy that collapses at any seed fails the claim, a baseline
+    that collapses at some seeds only leaves it inconclusive; the summary table says "collapsed"."""
+    import json
+
+    from outlier_titan.exit_codes import DIVERGED, FINISHED
+    from outlier_titan.study.plan import point_dir
+    from outlier_titan.study.runner import STATE
+
+    def rows_of(arms, collapsed):
+        """``collapsed``: (arm, seed) pairs whose fp8_tensorwise run diverged (failed, no loss)."""
+        rows = []
+        for arm, gap in arms.items():
+            for seed, loss in enumerate(BF16):
+                rows.append({"point": f"{arm}_bf16_s{seed}", "status": "done", "seed": seed, lp.ARM: arm,
+                             lp.PRECISION: "bf16", "final_val_loss": loss})
+                down = (arm, seed) in collapsed
+                rows.append({"point": f"{arm}_fp8_tensorwise_s{seed}", "status": "failed" if down else "done",
+                             "seed": seed, lp.ARM: arm, lp.PRECISION: "fp8_tensorwise",
+                             "final_val_loss": None if down else loss * (1 + gap)})
+                folder = point_dir(tmp_path, rows[-1]["point"])
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / STATE).write_text(json.dumps({"returncode": DIVERGED if down else FINISHED}))
+        lp.add_collapses(rows, tmp_path, {})
+        return aggregate(rows, [lp.ARM, lp.PRECISION, "seed"])
+
+    def verdicts(groups):
+        return {t.split(" ")[0]: (v, d) for t, v, d in lp.claims(groups) if " trains in " in t}
+
+    every = {("baseline", s) for s in range(3)}
+    g = rows_of({"baseline": 0.0, "tweo": 0.004, "gated": 0.0}, every | {("gated", 1)})
+    v = verdicts(g)
+    assert v["tweo"][0] == stats.REPRODUCED
+    assert "the baseline collapsed (diverged) in fp8_tensorwise at seed(s) [0, 1, 2]" in v["tweo"][1]
+    assert v["gated"][0] == stats.NOT_REPRODUCED
+    assert "gated collapsed (diverged) in fp8_tensorwise at seed(s) [1]" in v["gated"][1]
+    assert lp.collapsed_seeds(g, "tweo", "fp8_tensorwise") == []
+    assert "collapsed at seed(s) [0, 1, 2]" in next(r for r in lp.gap_table(g) if r.startswith("| baseline"))
+    some = verdicts(rows_of({"baseline": 0.0, "tweo": 0.004}, {("baseline", 0)}))
+    assert some["tweo"][0] == stats.INCONCLUSIVE
+    # the baseline keeps its loss: a remedy's collapse cannot be set against anything
+    untested = verdicts(rows_of({"baseline": 0.0, "tweo": 0.0}, {("tweo", 2)}))
+    assert untested["tweo"][0] == stats.UNTESTABLE
+
+
 def test_the_gap_is_paired_by_seed():
     """Seeds differ by far more than the gap: unpaired the remedy's 1 % could not be told from 2 %; paired it can."""
     spread = {"bf16": [2.0, 3.0, 4.0], "nvfp4": [2.02, 3.03, 4.04]}

@@ -21,6 +21,7 @@ from typing import Any
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.study import stats
 from outlier_titan.study.groups import first_match, format_value
+from outlier_titan.exit_codes import DIVERGED
 from outlier_titan.study.plan import point_dir
 from outlier_titan.study.rules import Claim, Threshold, estimate_of, paired_relative
 from outlier_titan.study.suites.base import Suite, SuiteInfo
@@ -73,6 +74,37 @@ def gap(groups: list[dict[str, Any]], arm: str, precision: str):
     return paired_relative(_group(groups, arm, HIGH), _group(groups, arm, precision), "final_val_loss")
 
 
+COLLAPSED = "collapsed_{}"
+"""On a BF16 row, per low precision: 1 where the same arm and seed stopped as diverged in that precision (the
+divergence guard's exit, ``exit_codes.DIVERGED``), 0 where it finished. A collapse has no final loss, hence no gap,
+yet it is the strongest form of the effect the claims ask about (Liang et al.'s baseline collapses in FP8)."""
+
+
+def add_collapses(rows: list[dict[str, Any]], sweep_dir: Path, manifest: dict[str, Any]) -> None:
+    """Marks :data:`COLLAPSED` on each BF16 row (in place) for every low precision its arm and seed ran."""
+    from outlier_titan.study.runner import read_state  # the sweep engine's state file; heavy imports, only here
+
+    by_key = {(r.get(ARM), r.get(PRECISION), r.get("seed")): r for r in rows}
+    for (arm, precision, seed), r in by_key.items():
+        high = by_key.get((arm, HIGH, seed))
+        if precision == HIGH or high is None:
+            continue
+        if r.get("status") == "done":
+            high[COLLAPSED.format(precision)] = 0
+        elif read_state(point_dir(sweep_dir, r["point"])).get("returncode") == DIVERGED:
+            high[COLLAPSED.format(precision)] = 1
+
+
+def collapsed_seeds(groups: list[dict[str, Any]], arm: str, precision: str) -> list[int] | None:
+    """The seeds at which the arm's ``precision`` run collapsed, or None unless each of its BF16 seeds' run in
+    ``precision`` either finished or collapsed."""
+    high = _group(groups, arm, HIGH)
+    flags = estimate_of(high, COLLAPSED.format(precision))
+    if flags is None or flags.n != len(high["seeds"]):
+        return None
+    return [seed for seed, f in zip(high["seeds"], flags.values) if f]
+
+
 def _pct(e) -> str:
     """A relative gap over seeds: mean ± sd, or the one value with "(1 seed)"."""
     return f"{e.mean:+.2%} ± {e.sd:.2%}" if e.sd is not None else f"{e.mean:+.2%} (1 seed)"
@@ -83,6 +115,9 @@ def _keeps_claim(groups: list[dict[str, Any]], arm: str, precision: str) -> Clai
     text = (f"{arm} trains in {precision} within {tol:.0%} of its BF16 val loss, where the baseline does not "
             f"(paired by seed" + (f"; {PAPER_CLAIMS[arm]})" if arm in PAPER_CLAIMS else ")"))
     b, r = gap(groups, BASELINE, precision), gap(groups, arm, precision)
+    b_down, r_down = collapsed_seeds(groups, BASELINE, precision), collapsed_seeds(groups, arm, precision)
+    if b_down or r_down:  # a collapse has no gap: decided on the collapses themselves
+        return (text, *_collapse_verdict(groups, arm, precision, b, r, b_down, r_down))
     if b is None or r is None:
         return text, stats.MISSING, "a point is missing, or the arms ran different seeds"
     if not stats.effect_present(b, tol):
@@ -90,6 +125,29 @@ def _keeps_claim(groups: list[dict[str, Any]], arm: str, precision: str) -> Clai
                                         f"seeds): no loss for the remedy to keep; {arm}'s {_pct(r)}")
     verdict, detail = stats.at_most_verdict(r, tol, f"{arm}'s gap")
     return text, verdict, f"baseline's gap {_pct(b)}; {detail}"
+
+
+def _collapse_verdict(groups, arm, precision, b, r, b_down, r_down) -> tuple[str, str]:
+    """Where a run in ``precision`` collapsed: the baseline shows the effect when it collapsed at every seed (or
+    none and its gap's interval lies above the threshold); at some seeds only, the effect is not established
+    either way (inconclusive). A remedy that collapsed at any seed does not keep BF16's loss."""
+    seeds = _group(groups, BASELINE, HIGH)["seeds"]
+
+    def said(who: str, down: list[int] | None, e) -> str:
+        if down:
+            return f"{who} collapsed (diverged) in {precision} at seed(s) {down} of {seeds}"
+        return f"{who}'s gap {_pct(e)}" if e is not None else f"{who}'s gap missing"
+
+    detail = f"{said('the baseline', b_down, b)}; {said(arm, r_down, r)}"
+    every = b_down is not None and len(b_down) == len(seeds)
+    if b_down and not every:
+        return stats.INCONCLUSIVE, detail + " (the baseline's effect holds at some seeds only)"
+    if not (every or stats.effect_present(b, LOW_PRECISION_GAP.value)):
+        return stats.UNTESTABLE, detail + " (no loss for the remedy to keep)"
+    if r_down:
+        return stats.NOT_REPRODUCED, detail
+    verdict, gap_detail = stats.at_most_verdict(r, LOW_PRECISION_GAP.value, f"{arm}'s gap")
+    return verdict, f"{said('the baseline', b_down, b)}; {gap_detail}"
 
 
 def _predictor_claim(groups: list[dict[str, Any]], precision: str) -> Claim:
@@ -133,9 +191,9 @@ def gap_table(groups: list[dict[str, Any]]) -> list[str]:
             continue
         cells = [format_value(estimate_of(high, "final_val_loss")), format_value(estimate_of(high, PREDICTOR))]
         for p in lows:
-            d = gap(groups, arm, p)
+            d, down = gap(groups, arm, p), collapsed_seeds(groups, arm, p)
             cells += [format_value(estimate_of(_group(groups, arm, p), "final_val_loss")),
-                      _pct(d) if d else "—"]
+                      f"collapsed at seed(s) {down}" if down else _pct(d) if d else "—"]
         body.append(f"| {arm} | " + " | ".join(cells) + " |")
     return head + body
 
@@ -184,4 +242,10 @@ def summary_section(groups: list[dict[str, Any]]) -> list[str]:
             *layer_table(groups), ""]
 
 
-SUITE = Suite(INFO, claims, [LOW_PRECISION_GAP], add_metrics=add_layer_snr, summary=summary_section)
+def add_metrics(rows: list[dict[str, Any]], sweep_dir: Path, manifest: dict[str, Any]) -> None:
+    """The suite's derived columns: each block's worst cast SNR and the low-precision runs' collapses."""
+    add_layer_snr(rows, sweep_dir, manifest)
+    add_collapses(rows, sweep_dir, manifest)
+
+
+SUITE = Suite(INFO, claims, [LOW_PRECISION_GAP], add_metrics=add_metrics, summary=summary_section)
