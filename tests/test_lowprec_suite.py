@@ -53,8 +53,8 @@ def test_a_remedy_keeps_bf16s_loss_where_the_baseline_loses_it():
 
 
 def test_a_claim_the_scale_ran_but_a_point_lacks_is_missing_and_tweos_names_its_paper():
-    """Per tensor FP8 run for the baseline and TWEO only: their claim is made (TWEO's quoting its paper's claim), the
-    other arms' in that precision are "missing" (a scale that ran the precision lacks their points)."""
+    """Per tensor FP8 run for the baseline and TWEO only: their claim is made (TWEO's quoting its paper's FP8
+    claim), the other arms' in that precision are "missing" (a scale that ran the precision lacks their points)."""
     arms = {"baseline": {**_arm(0.01, 0.10), "fp8_tensorwise": [x * 1.2 for x in BF16]},
             "tweo": {**_arm(0.0, 0.01), "fp8_tensorwise": [x * 1.005 for x in BF16]}, "gated": _arm(0.0, 0.01)}
     got = {t: (v, d) for t, v, d in lp.claims(_groups(arms)) if " trains in " in t}
@@ -62,6 +62,7 @@ def test_a_claim_the_scale_ran_but_a_point_lacks_is_missing_and_tweos_names_its_
     assert got[tweo][0] == stats.REPRODUCED and "Liang et al. 2025 (arXiv 2511.23225)" in tweo
     assert got[next(t for t in got if t.startswith("gated trains in fp8_tensorwise"))][0] == stats.MISSING
     assert "Liang" not in next(t for t in got if t.startswith("gated trains in nvfp4"))
+    assert "Liang" not in next(t for t in got if t.startswith("tweo trains in nvfp4"))  # its paper claims FP8 only
     table = lp.gap_table(_groups(arms))
     assert "fp8_tensorwise gap" in table[0] and "+20.00%" in next(r for r in table if r.startswith("| baseline"))
 
