@@ -54,10 +54,12 @@ def _comparison_cells(report: str, point: str) -> list[str]:
 
 
 def _smoke(suite: str, tmp: Path, *extra: str) -> tuple[Path, Path]:
-    """(sweep folder, report folder) of the suite's smoke scale, run through the script."""
+    """(sweep folder, report folder) of the suite's smoke scale, run through the script (its stdout and stderr
+    kept in ``output.log`` beside them)."""
     sweep_dir, out = tmp / "sweep", tmp / "report"
     proc = _run("--suite", suite, "--scale", "smoke", "--sweep-dir", str(sweep_dir), "--out", str(out), *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (tmp / "output.log").write_text(proc.stdout + proc.stderr)
     return sweep_dir, out
 
 
@@ -78,6 +80,10 @@ def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path, request):
     planned = load_sweep(suite_file(suite, "smoke")).points
     rows = _rows(out)
     assert set(rows) == {p.name for p in planned}
+    # progress: a line per point trained, then one per point evaluated, under the sweep's and the evaluation's bars
+    log = (sweep_dir.parent / "output.log").read_text()
+    assert "sweep: 100%" in log and "evaluate: 100%" in log
+    assert all(log.count(f"done    {p.name}\n") == 2 for p in planned), log[-3000:]
     for p in planned:
         # a real finished run: its own metrics log reaches the final step, its evaluation report exists
         folder = sweep_dir / "points" / p.name
@@ -138,7 +144,7 @@ def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path, request):
     # running again re-uses the finished points and evaluations
     again = _run("--suite", suite, "--scale", "smoke", "--sweep-dir", str(sweep_dir), "--out", str(out))
     assert again.returncode == 0, again.stderr[-2000:]
-    assert _rows(out) == rows
+    assert _rows(out) == rows and "evaluate:" not in again.stderr
 
 
 @pytest.mark.slow

@@ -133,3 +133,7 @@ def test_one_seed_is_never_decided_and_estimates_print_mean_and_sd():
     assert stats.ratio_verdict(Estimate((50.0,)), Estimate((5.0,)), 5)[0] == stats.INCONCLUSIVE
     assert stats.at_most_verdict(Estimate((0.01,)), 0.02, "x")[0] == stats.INCONCLUSIVE
     assert "12 verdicts" in stats.chance_calls([stats.REPRODUCED] * 12 + [stats.UNTESTABLE])
+    # the expected count of chance calls is 2.5 % of the decided verdicts, never printed as "about 0.0"
+    assert "about 0.025 would read" in stats.chance_calls([stats.INCONCLUSIVE])
+    assert "about 0.8 would read" in stats.chance_calls([stats.NOT_REPRODUCED] * 32)
+    assert stats.chance_calls([stats.UNTESTABLE, stats.MISSING]).startswith("No verdict is decided")

@@ -186,6 +186,11 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
         dist.barrier()
 
 
+def _super_weight_metrics(probe: dict) -> list[str]:
+    """The names of the probe's super-weight metrics in ``probe`` (its output)."""
+    return [k for k in probe if k.rsplit("/", 1)[-1] in sw.SUPER_WEIGHTS.names]
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("world,layouts", [
     (2, [(1, 2, 1, ("gpt2", "llama"))]),
@@ -200,7 +205,7 @@ def test_tracked_super_weight_equal_at_1_2_4_ranks_and_tp(world, layouts, tmp_pa
         n_layers = len(model.layers)
         assert refs[flavor][f"outliers/layer_{PLANT[0]}/super_weight"] == 1.0
         assert refs[flavor][f"outliers/layer_{PLANT[0]}/sw_value"] == 3.0
-    sw_names = [k for k in refs["llama"] if k.rsplit("/", 1)[-1] in sw.SUPER_WEIGHTS.names]
+    sw_names = _super_weight_metrics(refs["llama"])
     assert {k: refs["smooth_swiglu"][k] for k in sw_names} == pytest.approx({k: refs["llama"][k] for k in sw_names},
                                                                             rel=1e-5, abs=1e-7)
     mp.start_processes(_worker, args=(world, free_port(), layouts, str(tmp_path)), nprocs=world, join=True,
@@ -208,7 +213,7 @@ def test_tracked_super_weight_equal_at_1_2_4_ranks_and_tp(world, layouts, tmp_pa
     per_rank = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for key, got in per_rank[0].items():
         ref = refs[key[-1]]
-        names = [k for k in ref if k.rsplit("/", 1)[-1] in sw.SUPER_WEIGHTS.names]
+        names = _super_weight_metrics(ref)
         assert len(names) == 6 * n_layers + 1 and "outliers/sa_in_channel" not in ref  # channels are not averaged
         for k in names:
             assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), (key, k, got[k], ref[k])

@@ -24,9 +24,11 @@ EVAL_ARGS |= {scale: EVAL_ARGS["cpu"] for scale in SCALES if scale not in EVAL_A
 def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, scale: str,
                     parallel: int = 1) -> list[str]:
     """Runs ``scripts/evaluate.py`` on the final checkpoint of every finished point without its report, ``parallel``
-    at a time (the CPU threads shared out as for the sweep's trainers); returns the names of points whose
-    evaluation failed (their log is ``<point>/eval.log``)."""
+    at a time (the CPU threads shared out as for the sweep's trainers), with a progress bar on stderr; returns the
+    names of points whose evaluation failed (their log is ``<point>/eval.log``)."""
     import time
+
+    from tqdm import tqdm
 
     from outlier_titan.study.runner import is_finished, read_state, trainer_environment
 
@@ -45,6 +47,11 @@ def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, 
             str(a["batch_size"]), "--calib-batches", str(a["calib_batches"]), "--calib-seeds", str(a["calib_seeds"])]))
     env = trainer_environment(min(parallel, max(1, len(todo))), 1)
     failed, running = set(), []
+    bar = tqdm(total=len(todo), desc="evaluate", unit="point", disable=not todo, file=sys.stderr, dynamic_ncols=True)
+
+    def show_running() -> None:
+        bar.set_postfix_str(f"running {', '.join(r[0] for r in running)}" if running else "")
+
     try:
         while todo or running:
             while todo and len(running) < parallel:
@@ -52,13 +59,20 @@ def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, 
                 log = (folder / "eval.log").open("w")
                 running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                        stdin=subprocess.DEVNULL, env=env), log))
+                show_running()
             time.sleep(0.2)
             for item in [r for r in running if r[1].poll() is not None]:
                 running.remove(item)
                 item[2].close()
+                bar.update(1)
                 if item[1].returncode != 0:
                     failed.add(item[0])
+                    bar.write(f"failed  {item[0]}: see {item[2].name}")
+                else:
+                    bar.write(f"done    {item[0]}")
+                show_running()
     finally:  # Ctrl-C: the evaluations in flight end with this process
+        bar.close()
         for _, proc, log in running:
             proc.terminate()
             proc.wait()

@@ -251,6 +251,9 @@ def combine(*verdicts: tuple[str, str]) -> str:
 def chance_calls(verdicts: list[str]) -> str:
     """The sentence on how many of a report's decided verdicts chance alone could give."""
     decided = sum(v in (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE) for v in verdicts)
+    if not decided:
+        return ("No verdict is decided here (every claim cannot be tested or lacks its points), so none is a chance "
+                "call.")
     return (f"{decided} verdict{'s' * (decided != 1)} decided at 95 % (each direction at 2.5 %): were every claim "
-            f"exactly at its threshold, about {0.025 * decided:.1f} would read \"reproduced\" and as many \"not "
+            f"exactly at its threshold, about {0.025 * decided:.2g} would read \"reproduced\" and as many \"not "
             f"reproduced\" by chance alone (no multiplicity correction is applied).")
