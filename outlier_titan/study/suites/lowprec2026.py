@@ -18,10 +18,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from outlier_titan.exit_codes import DIVERGED
 from outlier_titan.observe.logger import read_metrics
 from outlier_titan.study import stats
 from outlier_titan.study.groups import first_match, format_value
-from outlier_titan.exit_codes import DIVERGED
 from outlier_titan.study.plan import point_dir
 from outlier_titan.study.rules import Claim, Threshold, estimate_of, paired_relative
 from outlier_titan.study.suites.base import Suite, SuiteInfo
