@@ -28,9 +28,7 @@ def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, 
     names of points whose evaluation failed (their log is ``<point>/eval.log``)."""
     import time
 
-    from tqdm import tqdm
-
-    from outlier_titan.study.runner import is_finished, read_state, trainer_environment
+    from outlier_titan.study.runner import is_finished, point_bar, point_line, read_state, trainer_environment
 
     a = EVAL_ARGS[scale]
     todo = []
@@ -47,7 +45,7 @@ def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, 
             str(a["batch_size"]), "--calib-batches", str(a["calib_batches"]), "--calib-seeds", str(a["calib_seeds"])]))
     env = trainer_environment(min(parallel, max(1, len(todo))), 1)
     failed, running = set(), []
-    bar = tqdm(total=len(todo), desc="evaluate", unit="point", disable=not todo, file=sys.stderr, dynamic_ncols=True)
+    bar = point_bar("evaluate", len(todo), enabled=bool(todo))
 
     def show_running() -> None:
         bar.set_postfix_str(f"running {', '.join(r[0] for r in running)}" if running else "")
@@ -67,9 +65,9 @@ def evaluate_points(sweep_dir: Path, manifest: dict[str, Any], info: SuiteInfo, 
                 bar.update(1)
                 if item[1].returncode != 0:
                     failed.add(item[0])
-                    bar.write(f"failed  {item[0]}: see {item[2].name}")
+                    point_line(bar, "failed", item[0], f"see {item[2].name}")
                 else:
-                    bar.write(f"done    {item[0]}")
+                    point_line(bar, "done", item[0])
                 show_running()
     finally:  # Ctrl-C: the evaluations in flight end with this process
         bar.close()

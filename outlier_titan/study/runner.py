@@ -325,15 +325,27 @@ class _Signals:
             signal.signal(s, h)
 
 
+def point_bar(desc: str, total: int, initial: int = 0, enabled: bool = True):
+    """The progress bar of a stage that works through points (the sweep's training, a suite's evaluation): a tick a
+    point, on stderr; ``point_line`` writes each finished point's line (on stdout) above it."""
+    import tqdm as tqdm_module
+    from tqdm import tqdm
+
+    tqdm_module.tqdm.monitor_interval = 0  # no monitor thread: children are forked with a preexec_fn
+    return tqdm(total=total, initial=initial, desc=desc, unit="point", disable=not enabled, file=sys.stderr,
+                dynamic_ncols=True)
+
+
+def point_line(bar, status: str, name: str, detail: str = "") -> None:
+    """One finished point's line above ``bar``: ``<status> <point>[: detail]``, the status padded to one width."""
+    bar.write(f"{status:<7} {name}" + (f": {detail}" if detail else ""))
+
+
 def run_points(sweep_dir: str | Path, manifest: dict[str, Any], indices: list[int] | None = None,
                parallel: int = 1, nproc: int = 1, nnodes: int = 1, rdzv_endpoint: str | None = None,
                rdzv_id: str | None = None, primary: bool = True, progress: bool = True) -> dict[str, str]:
     """Runs the unfinished points among ``indices`` (default: all), ``parallel`` at a time; returns
     name -> status (done / failed / pending) of the points it looked at."""
-    import tqdm as tqdm_module
-    from tqdm import tqdm
-
-    tqdm_module.tqdm.monitor_interval = 0  # no monitor thread: children are forked with a preexec_fn
     sweep_dir = Path(sweep_dir).resolve()
     entries = [manifest["points"][i] for i in (indices if indices is not None else range(len(manifest["points"])))]
     result: dict[str, str] = {}
@@ -346,8 +358,7 @@ def run_points(sweep_dir: str | Path, manifest: dict[str, Any], indices: list[in
     if primary:
         wait_for_previous_trainers(sweep_dir, todo)
     skipped = len(entries) - len(todo)
-    bar = tqdm(total=len(entries), initial=skipped, desc="sweep", unit="point", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True)
+    bar = point_bar("sweep", len(entries), initial=skipped, enabled=progress)
     env = trainer_environment(parallel, nproc)
     if todo and "OMP_NUM_THREADS" not in os.environ:
         bar.write(f"each trainer process uses {env['OMP_NUM_THREADS']} CPU threads ({parallel} point(s) x {nproc} "
@@ -371,7 +382,7 @@ def run_points(sweep_dir: str | Path, manifest: dict[str, Any], indices: list[in
                 failed += status == "failed"
                 if status != "pending":
                     bar.update(1)
-                bar.write(f"{status:<7} {run.entry['name']}" + (f": {run.error}" if run.error else ""))
+                point_line(bar, status, run.entry["name"], run.error)
                 bar.set_postfix_str(f"failed {failed}" if failed else "")
     bar.close()
     for e in todo:
