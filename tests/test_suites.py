@@ -52,17 +52,19 @@ def test_cpu_and_synthetic_scales_run_three_seeds_per_setting(path):
     assert len(seeds) >= 3 and "seed" in sweep.axes
 
 
-@pytest.mark.parametrize("suite", ["kaul2024", "he2024"])
-def test_the_tile_study_shares_its_baseline_and_whole_axis_points_with_the_cpu_suite(suite, tmp_path):
-    """Their configs equal the cpu suite's (checkpointing aside), so ``--adopt reports/<suite>-cpu`` takes them
-    instead of training them twice; the tiled points are the study's own."""
+@pytest.mark.parametrize("suite, source, seeds", [("kaul2024", "tuned", 5), ("he2024", "cpu", 3)])
+def test_the_tile_study_shares_its_baseline_and_whole_axis_points_with_another_scale(suite, source, seeds,
+                                                                                     tmp_path):
+    """Their configs (learning rates from the lr search applied) equal that scale's, checkpointing aside, so
+    ``--adopt reports/<suite>-<source>`` takes them instead of training them twice; the tiled points are the
+    study's own. kaul2024's study runs at the tuned lrs, he2024's at the cpu scale's provoking one."""
     from outlier_titan.study.plan import _config_diff, build_manifest
     from outlier_titan.study.adopt import ADOPT_IGNORES
-    from outlier_titan.study.suite_files import suite_file
+    from outlier_titan.study.suite_files import suite_sweep
 
-    cpu = [e["config"] for e in build_manifest(load_sweep(suite_file(suite, "cpu")), tmp_path)["points"]]
+    other = [e["config"] for e in build_manifest(suite_sweep(suite, source), tmp_path / source)["points"]]
     shared = set()
-    for e in build_manifest(load_sweep(suite_file(suite, "tiles")), tmp_path)["points"]:
-        if any(not _config_diff(c, e["config"], ignore=ADOPT_IGNORES) for c in cpu):
+    for e in build_manifest(suite_sweep(suite, "tiles"), tmp_path / "tiles")["points"]:
+        if any(not _config_diff(c, e["config"], ignore=ADOPT_IGNORES) for c in other):
             shared.add(e["name"])
-    assert shared == {n for n in shared if "_t0_" in n} and len(shared) == 6, shared
+    assert shared == {n for n in shared if "_t0_" in n} and len(shared) == 2 * seeds, shared
