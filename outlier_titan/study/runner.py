@@ -328,10 +328,9 @@ class _Signals:
 def point_bar(desc: str, total: int, initial: int = 0, enabled: bool = True):
     """The progress bar of a stage that works through points (the sweep's training, a suite's evaluation): a tick a
     point, on stderr; ``point_line`` writes each finished point's line (on stdout) above it."""
-    import tqdm as tqdm_module
     from tqdm import tqdm
 
-    tqdm_module.tqdm.monitor_interval = 0  # no monitor thread: children are forked with a preexec_fn
+    tqdm.monitor_interval = 0  # no monitor thread: children are forked with a preexec_fn
     return tqdm(total=total, initial=initial, desc=desc, unit="point", disable=not enabled, file=sys.stderr,
                 dynamic_ncols=True)
 
