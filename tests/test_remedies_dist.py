@@ -38,8 +38,8 @@ def test_qk_clip_and_tweo_are_the_same_at_every_layout(runs, layout):
     for key in ("remedies/qk_clip_max_logit", "outliers/max_logit", "outliers/layer_0/max_logit"):
         a, b = _series(one, key), _series(other, key)
         assert a and a.keys() == b.keys(), key
-        for step in a:
-            assert b[step] == pytest.approx(a[step], rel=1e-5), (key, step)
+        for step in a:  # a logit is q . k, quadratic in the activations: their float differences come out 2x larger
+            assert b[step] == pytest.approx(a[step], rel=3e-5), (key, step)
     a, b = _series(one, "remedies/tweo"), _series(other, "remedies/tweo")
     assert a and a.keys() == b.keys()
     for step in a:  # a 4th power: the activations' float differences of the layouts (~1e-6) come out 4x larger
