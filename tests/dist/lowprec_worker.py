@@ -75,6 +75,7 @@ def main(out: str) -> None:
                                  zip(run(base, x, g), run(tp, x, g))))
     if dist.get_rank() == 0:
         torch.save(results, out)
+    dist.barrier()  # no rank tears gloo down while another still has a collective in flight
     dist.destroy_process_group()
 
 

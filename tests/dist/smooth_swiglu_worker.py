@@ -82,6 +82,7 @@ def main(out: str) -> None:
                                  zip(run(base, x, g, 0, size), run(tp, x, g, rank, size))))
     if rank == 0:
         torch.save(results, out)
+    dist.barrier()  # no rank tears gloo down while another still has a collective in flight
     dist.destroy_process_group()
 
 
