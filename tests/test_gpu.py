@@ -73,7 +73,8 @@ def test_attention_variant_in_bf16_matches_its_explicit_formula_on_the_fused_ker
         out["y"].backward(up.to(device, torch.bfloat16))
 
     with sdpa_kernel(backends):  # the math fallback is not allowed: an unsupported input raises
-        kernels = benchmarks.sdpa_kernels(fwd_bwd)
+        kernels, top = benchmarks.profiled(fwd_bwd, torch.device(device))
+    assert top and all(0 < share <= 1 for _, share in top), top
     assert MATH_KERNEL not in kernels
     if variant in FUSED_VARIANTS:
         assert FUSED_KERNEL[device] in kernels, kernels

@@ -197,14 +197,28 @@ SDPA_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficien
             "_scaled_dot_product_flash_attention_for_cpu", "_efficient_attention_forward", "_flash_attention_forward")
 
 
-def sdpa_kernels(fn) -> list[str]:
-    """The aten SDPA kernels (flash / efficient / cudnn / math) that ran in ``fn()``, from the profiler."""
+def profiled(fn, device, top: int = 4) -> tuple[list[str], list[tuple[str, float]]]:
+    """One profiled call of ``fn()``: the aten SDPA kernels (flash / efficient / cudnn / math) that ran, and the
+    ``top`` kernels by self time with their share of it (on a GPU the device's kernels, on the CPU the aten ops):
+    where the time of a variant goes."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         fn()
+        _sync(device)
     names = {e.name.removeprefix("aten::") for e in prof.events()}
-    return sorted(n for n in names if n in SDPA_OPS)
+    sdpa = sorted(n for n in names if n in SDPA_OPS)
+    if cuda:  # the kernels themselves (a CPU op that launched one may carry its time too: not counted twice)
+        device_time = [(e.key, e.self_device_time_total, e.device_type) for e in prof.key_averages()
+                       if e.self_device_time_total > 0]
+        times = ([(k, t) for k, t, kind in device_time if kind == DeviceType.CUDA]
+                 or [(k, t) for k, t, _ in device_time])
+    else:
+        times = [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(t for _, t in times) or 1.0
+    return sdpa, [(name, t / total) for name, t in sorted(times, key=lambda kv: -kv[1])[:top]]
 
 
 def bench_attention(item: dict, dry: bool, workdir: Path) -> dict:
@@ -226,7 +240,7 @@ def bench_attention(item: dict, dry: bool, workdir: Path) -> dict:
         attn(x).backward(up)
 
     fwd_bwd()
-    kernels = sdpa_kernels(fwd_bwd)
+    kernels, top = profiled(fwd_bwd, device)
     times = _timed(fwd_bwd, item["steps"], device)
     t = statistics.median(times)
     heads = dim // attn.head_dim
@@ -235,7 +249,7 @@ def bench_attention(item: dict, dry: bool, workdir: Path) -> dict:
     return {"fwd_bwd_s": t, "tokens_per_s": item["batch"] * item["seq_len"] / t, "sdpa_kernels": kernels,
             "path": attention_path(attn.opts.variant, attn.opts.impl, device) + (": " + ", ".join(kernels)
                                                                                    if kernels else ""),
-            "attention_core_tflops": core / t / 1e12, "dtype": str(dtype).removeprefix("torch."),
+            "top_kernels": [[name, share] for name, share in top], "attention_core_tflops": core / t / 1e12, "dtype": str(dtype).removeprefix("torch."),
             "shape": f"B {item['batch']} x T {item['seq_len']} x D {dim}, {heads} heads of {attn.head_dim}"}
 
 

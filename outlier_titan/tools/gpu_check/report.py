@@ -80,14 +80,15 @@ def _table(kind: str, rows: list[dict], items: list[dict]) -> list[str]:
         return out
     if kind == "attention":
         out = ["| variant | shape | dtype | path (SDPA kernels) | fwd+bwd | tokens/s | attention core TFLOP/s | "
-               "status |", "|---|---|---|---|---|---|---|---|"]
+               "top kernels (share of kernel time) | status |", "|---|---|---|---|---|---|---|---|---|"]
         for it in rows:
             r = it["result"] if it["status"] == "ok" else {}
+            top = "; ".join(f"{name[:60]} {share:.0%}" for name, share in r.get("top_kernels", [])) or "-"
             out.append(f"| {it['item']['variant']} | {r.get('shape', '-')} | {r.get('dtype', '-')} | "
                        f"{r.get('path', '-')} | "
                        f"{_cell(r.get('fwd_bwd_s') and r['fwd_bwd_s'] * 1e3, '{:.2f} ms')} | "
                        f"{_cell(r.get('tokens_per_s'), '{:,.0f}')} | {_cell(r.get('attention_core_tflops'), '{:.1f}')} | "
-                       f"{_status(it)} |")
+                       f"{top.replace('|', '/')} | {_status(it)} |")
         return out
     if kind == "memory":
         out = ["| run | layout | params | this rank's params (planner's) | planned memory | measured peak | "
