@@ -8,6 +8,7 @@ Nothing here imports torch at module level: the preemption handlers go in before
 
 import os
 import sys
+from typing import NoReturn
 
 
 def main() -> None:
@@ -16,12 +17,15 @@ def main() -> None:
     preempt.install_early()  # before the seconds-long torch import: an early stop signal must not kill the rank
     from outlier_titan.trainer import main as train_main
 
-    code = train_main(sys.argv[1:])
+    leave(train_main(sys.argv[1:]))  # the trainer has destroyed its process groups
+
+
+def leave(code: int) -> NoReturn:
+    """Exits with ``code`` after flushing stdout and stderr, without running C++ static destructors: once the process
+    groups are destroyed, gloo's communication threads can still abort the interpreter's finalisation after a
+    successful run ("terminate called without an active exception", exit -6; pytorch/pytorch#179291)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    # The process groups are already destroyed; leave without running C++ static destructors, where gloo's
-    # communication threads can still abort the interpreter's finalisation ("terminate called without an
-    # active exception", pytorch/pytorch#179291) after a successful run.
     os._exit(code)
 
 

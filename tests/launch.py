@@ -82,10 +82,22 @@ def gloo_group(rank: int, world: int, port: int):
         dist.destroy_process_group()
 
 
+def end_worker() -> None:
+    """The last call of a :func:`launch_workers` script: every rank done, the process groups destroyed, then out as
+    the trainer leaves (:func:`outlier_titan.train.leave`; without it a rank failed now and then at exit, -6)."""
+    import torch.distributed as dist
+
+    from outlier_titan.train import leave
+
+    dist.barrier()
+    dist.destroy_process_group()
+    leave(0)
+
+
 def launch_workers(worker: Path, args: list[str], world: int, timeout: int = 300) -> None:
     """Runs ``python worker *args`` as ``world`` gloo ranks (RANK, WORLD_SIZE, MASTER_ADDR / MASTER_PORT set, one
     thread each, the repository importable) and asserts that every rank exited 0, with the tails of their output;
-    a rank still running after ``timeout`` seconds is killed."""
+    a rank still running after ``timeout`` seconds is killed. Each script ends with :func:`end_worker`."""
     from outlier_titan.parallel.dims import free_port
 
     port = str(free_port())

@@ -18,6 +18,7 @@ from outlier_titan.parallel.dims import ParallelDims  # noqa: E402
 from outlier_titan.parallel.fsdp import apply_fsdp  # noqa: E402
 from outlier_titan.parallel.tensor_parallel import apply_tp_plan  # noqa: E402
 from outlier_titan.training.step import cross_entropy_sum, loss_context, replicated_value  # noqa: E402
+from tests.launch import end_worker  # noqa: E402
 
 dist.init_process_group("gloo")
 dims = ParallelDims(1, 1, 2, 2)
@@ -38,4 +39,4 @@ torch.testing.assert_close(loss, reference, rtol=1e-6, atol=0)
 dist.barrier()
 if dist.get_rank() == 0:
     print("OK", float(loss))
-dist.destroy_process_group()
+end_worker()

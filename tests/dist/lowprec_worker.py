@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from outlier_titan.lowprec.recipes import RECIPES  # noqa: E402
 from outlier_titan.lowprec.training import convert_model, set_rng_position  # noqa: E402
+from tests.launch import end_worker  # noqa: E402
 
 D, F, TOKENS = 64, 128, 64
 
@@ -75,8 +76,7 @@ def main(out: str) -> None:
                                  zip(run(base, x, g), run(tp, x, g))))
     if dist.get_rank() == 0:
         torch.save(results, out)
-    dist.barrier()  # no rank tears gloo down while another still has a collective in flight
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

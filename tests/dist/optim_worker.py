@@ -29,6 +29,7 @@ import outlier_titan.components  # noqa: E402,F401  (a worker process: no confte
 from outlier_titan.optim.orthoadam import OrthoAdam  # noqa: E402
 from outlier_titan.optim.soap import SOAP  # noqa: E402
 from outlier_titan.optim.tiles.options import EngineOptions  # noqa: E402
+from tests.launch import end_worker  # noqa: E402
 
 D, F, V, LAYERS = 16, 32, 32, 2
 STEPS, RESUME_AT = 6, 3
@@ -202,8 +203,7 @@ def main(layout: str, out: Path) -> None:
             msg = str(err)
         if rank == 0:
             (out / "strict_message.txt").write_text(msg)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle  # noqa: E402
 from outlier_titan.lowprec.training import convert_model, set_rng_position  # noqa: E402
 from outlier_titan.models.layers import MLP  # noqa: E402
 from outlier_titan.parallel.tensor_parallel import MaxOverShards  # noqa: E402
+from tests.launch import end_worker  # noqa: E402
 
 D, F, B, T = 64, 128, 2, 32
 
@@ -82,8 +83,7 @@ def main(out: str) -> None:
                                  zip(run(base, x, g, 0, size), run(tp, x, g, rank, size))))
     if rank == 0:
         torch.save(results, out)
-    dist.barrier()  # no rank tears gloo down while another still has a collective in flight
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -199,8 +199,8 @@ SDPA_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficien
 
 def profiled(fn, device, top: int = 4) -> tuple[list[str], list[tuple[str, float]]]:
     """One profiled call of ``fn()``: the aten SDPA kernels (flash / efficient / cudnn / math) that ran, and the
-    ``top`` kernels by self time with their share of it (on a GPU the device's kernels, on the CPU the aten ops):
-    where the time of a variant goes."""
+    ``top`` entries by self time with their share of it (on a GPU the device's kernels; on the CPU the profiled
+    ops, autograd nodes included): where the time of a variant goes."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -210,11 +210,9 @@ def profiled(fn, device, top: int = 4) -> tuple[list[str], list[tuple[str, float
         _sync(device)
     names = {e.name.removeprefix("aten::") for e in prof.events()}
     sdpa = sorted(n for n in names if n in SDPA_OPS)
-    if cuda:  # the kernels themselves (a CPU op that launched one may carry its time too: not counted twice)
-        device_time = [(e.key, e.self_device_time_total, e.device_type) for e in prof.key_averages()
-                       if e.self_device_time_total > 0]
-        times = ([(k, t) for k, t, kind in device_time if kind == DeviceType.CUDA]
-                 or [(k, t) for k, t, _ in device_time])
+    if cuda:  # the kernels themselves (the CPU op that launched one may carry its time too: not counted twice)
+        times = [(e.key, e.self_device_time_total) for e in prof.key_averages()
+                 if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     else:
         times = [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total = sum(t for _, t in times) or 1.0
@@ -249,7 +247,8 @@ def bench_attention(item: dict, dry: bool, workdir: Path) -> dict:
     return {"fwd_bwd_s": t, "tokens_per_s": item["batch"] * item["seq_len"] / t, "sdpa_kernels": kernels,
             "path": attention_path(attn.opts.variant, attn.opts.impl, device) + (": " + ", ".join(kernels)
                                                                                    if kernels else ""),
-            "top_kernels": [[name, share] for name, share in top], "attention_core_tflops": core / t / 1e12, "dtype": str(dtype).removeprefix("torch."),
+            "top_kernels": [[name, share] for name, share in top], "attention_core_tflops": core / t / 1e12,
+            "dtype": str(dtype).removeprefix("torch."),
             "shape": f"B {item['batch']} x T {item['seq_len']} x D {dim}, {heads} heads of {attn.head_dim}"}
 
 

@@ -55,15 +55,15 @@ def plan(part: str, dry: bool) -> list[dict]:
                      **(dict(model="pre_ln", flavor="debug", seq_len=32, batch=4, micro=4, steps=2, probes=1)
                         if dry else dict(model="pre_ln", flavor="kaul2024_gpt2_130m", seq_len=1024, batch=32,
                                          micro=32, steps=12, probes=4, vocab_size=50304)))
-        items.append(dict(probe, name="probe every 100, compile off", compile=False))
-        items.append(dict(probe, name="probe every 100, compile on", compile=True, limit_s=240))
+        items.append(dict(probe, compile=False))
+        items.append(dict(probe, compile=True, limit_s=240))
     elif part == "2":
         # the four compile x AC cases in micro-batches of 2 (they fit an 80 GB H100), then the fastest layout
         # measured on the H200: compiled, no AC, the whole batch of 4 in one micro-batch (44 GiB there)
         cases = [(c, ac, 2) for c in (False, True) for ac in ("none", "selective")] + [(True, "none", 4)]
         for compile_, ac, micro in cases:
             items.append(dict(
-                name="llama_1b", kind="train", model="pre_ln", compile=compile_, ac=ac,
+                kind="train", model="pre_ln", compile=compile_, ac=ac,
                 limit_s=240 if compile_ else 150,
                 **(dict(flavor="debug_llama", seq_len=32, batch=4, micro=micro, steps=2, warmup=1)
                    if dry else dict(flavor="llama_1b", seq_len=2048, batch=4, micro=micro, steps=10, warmup=3,
@@ -74,13 +74,13 @@ def plan(part: str, dry: bool) -> list[dict]:
             if dry and model in seen:  # one debug run per model spec
                 continue
             seen.add(model)
-            items.append(dict(name=f"{model}/{flavor} bf16 compile off", kind="train", model=model, compile=False,
+            items.append(dict(kind="train", model=model, compile=False,
                               ac="none", limit_s=90,
                               **(dict(flavor="debug", seq_len=32, batch=4, micro=4, steps=2, warmup=1) if dry else
                                  dict(flavor=flavor, seq_len=1024, batch=32, micro=32, steps=10, warmup=3,
                                       vocab_size=50304))))
         for name in bench_optimizer_names():
-            items.append(dict(name=f"optimizer {name}", kind="optim", optimizer=name, model="pre_ln", limit_s=120,
+            items.append(dict(kind="optim", optimizer=name, model="pre_ln", limit_s=120,
                               **(dict(flavor="debug", seq_len=32, batch=8, micro=4, steps=2, warmup=1,
                                       tile_size=32) if dry else
                                  dict(flavor="kaul2024_gpt2_130m", seq_len=256, batch=512, micro=128, steps=10,
@@ -99,7 +99,7 @@ def plan(part: str, dry: bool) -> list[dict]:
     else:
         raise GpuCheckError(f"unknown part {part!r}; use 1, 2, 3, 4 or all")
     prec = "fp32 CPU (dry)" if dry else "bf16"
-    for it in items:  # names carry what actually runs (dry mode swaps in the debug flavors)
+    for it in items:  # named here, by what actually runs (dry mode swaps in the debug flavors)
         if it["kind"] == "train":
             it["name"] = (f"{it['model']}/{it['flavor']} {prec} compile {'on' if it['compile'] else 'off'} "
                           f"AC {it['ac']}" + (f", micro-batches of {it['micro']}" if it["micro"] < it["batch"]
