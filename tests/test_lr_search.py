@@ -65,18 +65,47 @@ def test_a_scale_runs_each_tuned_setting_at_its_chosen_lr_and_names_the_others()
     assert "not tuned, at the suite file's values: " in line
 
 
-@pytest.mark.parametrize("suite,arms,lr", [
-    ("he2024", ("pre_ln_adamw", "op_soap"), "0.003"), ("park2025", ("adam", "osp"), "0.01"),
-    ("franke2025", ("pre_ln", "angpt", "ngpt"), "0.002")])
-def test_the_lr_search_at_the_cpu_suites_lr_is_the_cpu_suites_own_point(suite, arms, lr):
-    """So the search can adopt the cpu report's seed-0 points at the lr they share instead of training them."""
+@pytest.mark.parametrize("suite,base,arms,lr", [
+    ("he2024", "cpu", ("pre_ln_adamw", "op_soap"), "0.003"), ("park2025", "cpu", ("adam", "osp"), "0.01"),
+    ("franke2025", "cpu", ("pre_ln", "angpt", "ngpt"), "0.002"),
+    ("sinks2025", "synthetic", ("adam_softmax", "adam_gated_elementwise", "orthoadam_softpick"), "0.002")])
+def test_the_lr_search_at_the_tuned_scales_lr_is_that_scales_own_point(suite, base, arms, lr):
+    """So the search can adopt the seed-0 points of the scale it tunes (the cpu one; sinks2025's synthetic one) at
+    the lr they share instead of training them."""
     from outlier_titan.study.plan import _config_diff, _defaults, _optimizer_owners
 
-    cpu = {p.name: p for p in load_sweep(suite_file(suite, "cpu")).points}
+    searched = {p.name: p for p in load_sweep(suite_file(suite, base)).points}
     search = {p.name: p for p in load_sweep(suite_file(suite, "lr")).points}
     for arm in arms:
-        assert _config_diff(cpu[f"{arm}_s0"].config_toml, search[f"{arm}_lr{lr}_s0"].config_toml, _defaults(),
+        assert _config_diff(searched[f"{arm}_s0"].config_toml, search[f"{arm}_lr{lr}_s0"].config_toml, _defaults(),
                             _optimizer_owners(), ("job", "checkpoint")) == []
+
+
+def test_sinks2025s_tuned_scale_runs_every_variant_at_the_lr_its_search_chose():
+    """Before its search has run: with a choice made from made-up losses (Adam best at 4e-3, OrthoAdam at 1e-3),
+    every point of the tuned scale is tuned, five seeds each, its seed-0 point the search's own at that lr, and its
+    report opens with the tuned note and the synthetic task's."""
+    from outlier_titan.study.plan import _config_diff, _defaults, _optimizer_owners
+    from outlier_titan.study.report import scale_note
+
+    search = load_sweep(suite_file("sinks2025", "lr"))
+    best = {"adam": 4e-3, "orthoadam": 1e-3}
+    rows = [{"point": p.name, "seed": 0, **p.axes,
+             "final_val_loss": 3.0 + abs(p.cfg.optimizer.lr - best[p.cfg.optimizer.name]) * 10}
+            for p in search.points]
+    choice = lr_search.choose(rows, search.axes)
+    tuned = load_sweep(suite_file("sinks2025", "tuned"))
+    assert lr_search.apply_choice(tuned, choice) == []
+    assert len(tuned.points) == 90 and {p.axes["seed"] for p in tuned.points} == set(range(5))
+    by_name = {p.name: p for p in search.points}
+    for p in (p for p in tuned.points if p.axes["seed"] == 0):
+        lr = best[p.cfg.optimizer.name]
+        assert p.cfg.optimizer.lr == lr
+        own = by_name[p.name.replace("_s0", f"_lr{lr}_s0")]
+        assert _config_diff(own.config_toml, p.config_toml, _defaults(), _optimizer_owners(), ("job", "checkpoint")) == []
+    note = scale_note("sinks2025", "tuned")
+    assert note[0].startswith("**Tuned:**") and "(`reports/sinks2025-synthetic`)" in note[0]
+    assert note[2].startswith("**Synthetic task:**") and note[1] == note[3] == ""
 
 
 def test_a_missing_lr_report_is_one_line_naming_the_command(tmp_path):

@@ -15,7 +15,7 @@ from outlier_titan.study.report_figures import trajectory_figures
 from outlier_titan.study.report_sections import (anatomy_section, peaks_table, ptq_table, tile_grid_section,
                                                  tile_study_section)
 from outlier_titan.study.rules import RULES_TEXT, sources
-from outlier_titan.study.suite_files import LR_SEARCH_SCALES, lr_choice
+from outlier_titan.study.suite_files import LR_SEARCH_SCALES, lr_choice, suite_file_keys
 from outlier_titan.study.suites import SUITES
 
 
@@ -31,11 +31,11 @@ SCALE_NOTES = {
               "peaks table: whether any setting grows the phenomenon at this scale.",
     "provoked": "**Provoked:** every arm trains at one learning rate chosen because the baseline grows the phenomenon "
                 "there (the suite file's reason is under \"How the learning rate was chosen\"), not at its own best "
-                "lr; the same arms at their tuned lrs are the cpu scale's report (`reports/{suite}-cpu`). Read these "
+                "lr; the same arms at their tuned lrs are the {base} scale's report (`reports/{suite}-{base}`). Read these "
                 "verdicts beside those.",
     "tuned": "**Tuned:** each arm at its own best learning rate from the suite's lr search, with five seeds; the "
              "scale runs only the arms that search tuned, so a claim about other arms is not determined here and "
-             "stays the cpu scale's (`reports/{suite}-cpu`).",
+             "stays the {base} scale's (`reports/{suite}-{base}`).",
     "synthetic": "**Synthetic task:** these runs train on the Bigram-Backcopy task (`data.source = "
                  "\"bigram_backcopy\"`, Guo et al. 2024), a generated token stream where only the copy after a "
                  "trigger token needs attention and every window starts with BOS, not on text; what they show is the "
@@ -45,9 +45,12 @@ SCALE_NOTES = {
 
 
 def scale_note(suite: str, scale: str) -> list[str]:
-    """The report's note on reading a scale's verdicts (:data:`SCALE_NOTES`), or none."""
-    note = SCALE_NOTES.get(scale)
-    return [note.format(suite=suite), ""] if note else []
+    """The report's notes on reading a scale's verdicts (:data:`SCALE_NOTES`), or none: its own, then that of the
+    scale its suite file takes its recipe from (``fixed_from``; the cpu scale when it names none), where that has
+    one (a tuned synthetic scale is still a synthetic task)."""
+    base = Path(suite_file_keys(suite, scale).get("fixed_from", "cpu.toml")).stem
+    notes = [SCALE_NOTES[s] for s in dict.fromkeys((scale, base)) if s in SCALE_NOTES]
+    return [line for note in notes for line in (note.format(suite=suite, base=base), "")]
 
 
 def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: dict[str, Any],

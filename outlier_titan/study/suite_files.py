@@ -17,8 +17,8 @@ the cpu recipe, evaluated and reported like a suite, so the settings tried and t
 ``lr``: the learning-rate search: the arms a claim compares at every lr of a grid, seed 0 (``lr_choice.json``).
 ``cpu_lr``: a second learning-rate search, on the cpu recipe, for a suite whose ``lr`` search tunes another scale
 (sinks_vs_massive2026's ``lr`` tunes its synthetic scale); its cpu scale reads it with ``lr_from = "cpu_lr"``.
-``tuned``: the claims' arms re-run on the cpu recipe, each at the lr its search chose (``lr_from = "lr"``), at the
-seeds a quoted verdict needs (five).
+``tuned``: the claims' arms re-run on the recipe their lr search tuned (the cpu one; sinks2025's synthetic one), each
+at the lr that search chose (``lr_from = "lr"``), at the seeds a quoted verdict needs (five).
 ``provoked``: the cpu recipe with every arm at one lr taken from the lr search because the baseline grows the
 phenomenon there, for a suite whose tuned baseline shows none (its report says so; the cpu scale is the comparison
 at tuned lrs).
