@@ -391,6 +391,25 @@ def test_a_report_re_renders_in_place_from_its_own_runs_and_never_loses_a_point(
     assert (report / "report.md").read_text() == again
 
 
+def test_a_report_of_part_of_a_suite_says_it_is_unfinished(tmp_path, franke_smoke):
+    """A suite run in parts: the report of the part so far says, above everything it reports, that it is not the
+    suite's result and how to go on; the finished suite's report does not."""
+    import shutil
+
+    part = tmp_path / "part"
+    shutil.copytree(franke_smoke[1], part)
+    shutil.rmtree(part / "runs" / "ngpt")
+    proc = _run("--suite", "franke2025", "--scale", "smoke", "--sweep-dir", str(tmp_path / "a"), "--out",
+                str(tmp_path / "again"), "--adopt", str(part), "--report-only")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = (tmp_path / "again" / "report.md").read_text()
+    assert "2 of 3 points finished" in report
+    banner = "**Unfinished:** 2 of the suite's 3 points have run. This is a record of the finished part"
+    assert banner in report and report.index(banner) < report.index("## Verdicts")
+    assert "--suite franke2025 --scale smoke --adopt <this folder>" in report
+    assert "**Unfinished:**" not in (franke_smoke[1] / "report.md").read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("here", ["0123456789ab", "0123456789ab+dirty"])
 def test_committed_code_adopts_only_points_traced_to_a_commit(tmp_path, franke_smoke, monkeypatch, here):

@@ -95,7 +95,13 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
              f"is named beside each. Our numbers come from `results.csv` (collected from the run folders; copies of "
              f"each point's `metrics.jsonl` and evaluation report are under `runs/`). Every verdict holds {scale_phrase}: "
              f"the papers' models are far larger and trained far longer than ours, so the comparison is of "
-             f"directions and ratios, not of values.", ""] + runs
+             f"directions and ratios, not of values.", ""]
+    if done < len(rows):  # a suite run in parts: the part so far, kept so a later session can --adopt it
+        lines += [f"**Unfinished:** {done} of the suite's {len(rows)} points have run. This "
+                  f"is a record of the finished part, not the suite's result: its verdicts are over the finished "
+                  f"points alone. To go on: `python scripts/reproduce.py --suite {suite} --scale {scale} --adopt "
+                  f"<this folder>`.", ""]
+    lines += runs
     lines += tile_grid_section(manifest)
     lines += scale_note(suite, scale)
     if scale == "tiles" and info.tile_study:

@@ -40,8 +40,8 @@ def add_report_metrics(suite: str, rows: list[dict[str, Any]], sweep_dir: Path, 
         r["d_w8a8"] = r.get("ptq_delta_ppl_w8a8_static")
         r["tokens_per_step"] = e["tokens"] // e["steps"]
     add_suite_metrics = SUITES[suite].add_metrics
-    if add_suite_metrics is not None:
-        add_suite_metrics(rows, sweep_dir, manifest)
+    if add_suite_metrics is not None:  # from the logs of the finished points (a suite run in parts has others)
+        add_suite_metrics([r for r in rows if r["status"] == "done"], sweep_dir, manifest)
 
 
 def build_report(suite: str, scale: str, sweep_dir: Path, out: Path, parallel: int = 1) -> Path:
