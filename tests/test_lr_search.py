@@ -36,8 +36,11 @@ def test_the_choice_is_each_settings_lowest_final_val_loss_and_an_edge_is_marked
     # the claim's metric beside each loss: what the choice does to the phenomenon
     for r in rows:
         r["kurtosis_neuron_rms"] = 10 * r["optimizer.lr"]
-    lines = lr_search.section(lr_search.choose(rows, AXES, "kurtosis_neuron_rms"), tmp_path)
+        r["sink_rate"] = 0.5
+    lines = lr_search.section(lr_search.choose(rows, AXES, ("kurtosis_neuron_rms",)), tmp_path)
     assert "final val loss (kurtosis_neuron_rms)" in lines[4] and "0.003: 4.6 (0.03)" in lines[6]
+    lines = lr_search.section(lr_search.choose(rows, AXES, ("sink_rate", "kurtosis_neuron_rms")), tmp_path)
+    assert "final val loss (sink_rate, kurtosis_neuron_rms)" in lines[4] and "0.003: 4.6 (0.5, 0.03)" in lines[6]
 
 
 def test_a_scale_runs_each_tuned_setting_at_its_chosen_lr_and_names_the_others():

@@ -32,9 +32,9 @@ def setting_key(values: dict[str, Any], setting_axes: list[str]) -> str:
     return json.dumps({a: values.get(a) for a in setting_axes}, sort_keys=True)
 
 
-def choose(rows: list[dict[str, Any]], axes: list[str], shown: str | None = None) -> dict[str, Any]:
+def choose(rows: list[dict[str, Any]], axes: list[str], shown: tuple[str, ...] = ()) -> dict[str, Any]:
     """From an lr search's finished rows: per setting, the final validation loss at each tuned combination (and
-    the row's ``shown`` metric beside it, e.g. the claim's kurtosis, so the report shows what the choice does to
+    the row's ``shown`` metrics beside it, e.g. the claim's kurtosis, so the report shows what the choice does to
     the phenomenon) and the combination with the lowest loss (ties: the first in the grid); a setting with no
     finished point is left out."""
     tuned = tuned_axes(axes)
@@ -46,13 +46,14 @@ def choose(rows: list[dict[str, Any]], axes: list[str], shown: str | None = None
         key = setting_key(r, setting_axes)
         s = settings.setdefault(key, {"setting": {a: r.get(a) for a in setting_axes}, "grid": []})
         s["grid"].append({"values": {a: r.get(a) for a in tuned}, "final_val_loss": r["final_val_loss"],
-                          "point": r["point"], **({shown: num(r.get(shown))} if shown else {})})
+                          "point": r["point"], **{m: num(r.get(m)) for m in shown}})
     for s in settings.values():
         best = min(s["grid"], key=lambda g: g["final_val_loss"])
         s["chosen"] = best["values"]
         edge = {a: sorted({g["values"][a] for g in s["grid"]}) for a in tuned}
         s["at_edge"] = [a for a in tuned if len(edge[a]) > 1 and best["values"][a] in (edge[a][0], edge[a][-1])]
-    return {"tuned_axes": tuned, "setting_axes": setting_axes, "shown": shown, "settings": list(settings.values())}
+    return {"tuned_axes": tuned, "setting_axes": setting_axes, "shown": list(shown),
+            "settings": list(settings.values())}
 
 
 def section(choice: dict[str, Any], out: Path) -> list[str]:
@@ -60,18 +61,19 @@ def section(choice: dict[str, Any], out: Path) -> list[str]:
     ``out/lr_choice.json``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / CHOICE_FILE).write_text(json.dumps(choice, indent=1) + "\n")
-    tuned, shown = choice["tuned_axes"], choice.get("shown")
+    tuned, shown = choice["tuned_axes"], choice.get("shown", [])
     lines = ["## Learning-rate search", "",
              f"Each setting at every value of the grid, one seed; the chosen value is the one with the lowest final "
              f"validation loss (written to `{CHOICE_FILE}`, which a scale of the suite reads when its sweep file's "
              f"`lr_from` names this search). A choice at the grid's edge is marked: the best value may lie beyond it.", "",
-             "| setting | " + ", ".join(tuned) + ": final val loss" + (f" ({shown})" if shown else "") + " | chosen |",
+             "| setting | " + ", ".join(tuned) + ": final val loss" + (f" ({', '.join(shown)})" if shown else "") + " | chosen |",
              "|---|---|---|"]
     for s in choice["settings"]:
         name = ", ".join(f"{a}={v}" for a, v in s["setting"].items()) or "the only setting"
         cells = "; ".join(", ".join(f"{g['values'][a]:g}" if isinstance(g["values"][a], float)
                                     else str(g["values"][a]) for a in tuned) + f": {format_value(g['final_val_loss'])}"
-                          + (f" ({format_value(g.get(shown))})" if shown else "") for g in s["grid"])
+                          + (f" ({', '.join(format_value(g.get(m)) for m in shown)})" if shown else "")
+                          for g in s["grid"])
         chosen = ", ".join(f"{a.split('.')[-1]} {v:g}" if isinstance(v, float) else f"{a.split('.')[-1]} {v}"
                            for a, v in s["chosen"].items())
         lines.append(f"| {name} | {cells} | {chosen}" + (" (at the grid's edge)" if s["at_edge"] else "") + " |")

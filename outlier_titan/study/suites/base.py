@@ -36,6 +36,7 @@ class SuiteInfo:
     schemes: tuple[str, ...] = ()     # the paper's own PTQ schemes (scripts/evaluate.py --schemes): verdicts use these
     extra_schemes: tuple[str, ...] = FOUR_BIT_SCHEMES  # evaluated and tabled too, no verdict rests on them
     kurtosis: str = "kurtosis_rest"   # the probe metric of the kurtosis trajectory figure
+    lr_search_shows: tuple[str, ...] = ()  # beside each loss of the lr search: the claims' phenomenon (default: kurtosis)
     extra_probe: tuple[str, ...] = ()  # further probe metrics of the report's peaks table
     # the tile-size study (``--scale tiles``): the baseline's and the remedy's axes, the claim's metric (decided by
     # the rule set's reduction, study/rules.py) and the metrics plotted against the tile edge

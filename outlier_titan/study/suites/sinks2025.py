@@ -44,6 +44,7 @@ INFO = SuiteInfo(
     ],
     schemes=("int8_coarse",),
     kurtosis="kurtosis_rest",
+    lr_search_shows=("sink_rate", "first_token_argmax_share"),  # the claims' two sink measures
     extra_probe=("sink_rate", "sink_rate_pooled", "massive_ratio", "value_drain"),
 )
 
