@@ -61,12 +61,13 @@ def section(choice: dict[str, Any], out: Path) -> list[str]:
     ``out/lr_choice.json``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / CHOICE_FILE).write_text(json.dumps(choice, indent=1) + "\n")
-    tuned, shown = choice["tuned_axes"], choice.get("shown", [])
+    tuned, shown = choice["tuned_axes"], choice["shown"]
     lines = ["## Learning-rate search", "",
              f"Each setting at every value of the grid, one seed; the chosen value is the one with the lowest final "
              f"validation loss (written to `{CHOICE_FILE}`, which a scale of the suite reads when its sweep file's "
              f"`lr_from` names this search). A choice at the grid's edge is marked: the best value may lie beyond it.", "",
-             "| setting | " + ", ".join(tuned) + ": final val loss" + (f" ({', '.join(shown)})" if shown else "") + " | chosen |",
+             "| setting | " + ", ".join(tuned) + ": final val loss" + (f" ({', '.join(shown)})" if shown else "")
+             + " | chosen |",
              "|---|---|---|"]
     for s in choice["settings"]:
         name = ", ".join(f"{a}={v}" for a, v in s["setting"].items()) or "the only setting"

@@ -108,7 +108,8 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
         lines += tile_study_section(groups, info, fig_dir, scale_phrase)
     searching = scale in LR_SEARCH_SCALES  # a search decides learning rates: no claims, no summary of them
     if searching:
-        lines += lr_search.section(lr_search.choose(rows, manifest["axes"], info.lr_search_shows or (info.kurtosis,)), out)
+        shown = info.lr_search_shows or (info.kurtosis,)
+        lines += lr_search.section(lr_search.choose(rows, manifest["axes"], shown), out)
     if eval_failed:
         lines += [f"Evaluation failed for: {', '.join(eval_failed)} (see `<point>/eval.log`).", ""]
     if suite_def.summary is not None and not searching:
