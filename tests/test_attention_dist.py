@@ -48,17 +48,20 @@ def test_every_variant_trains_equally_on_1_rank_fsdp2_and_fsdp2_tp2(llama8):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_op_variants_train_equally_on_1_rank_fsdp2_and_fsdp2_tp2(tmp_path):
     _layouts(tmp_path, OP)
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_gpt2_style_variants_train_equally_on_1_rank_fsdp2_and_fsdp2_tp2(tmp_path):
     # learned positions, LayerNorm with biases, tied embeddings, GELU: the other pre_ln style
     _layouts(tmp_path, ["--model.n_layers", "8", "--model.attention_layers", ALL_NEW,
                         "--optimizer.no_decay", "norm,bias,embedding,sink"])
 
 
+@pytest.mark.extended
 def test_chunked_blocks_train_equally_on_1_rank_fsdp2_and_fsdp2_tp2(tmp_path):
     # 160 tokens: two query blocks of the chunked path (128 + 32 rows), recomputed in the backward, with the heads
     # split over TP ranks

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_sinks2025_smoke_report_comes_from_the_runs(tmp_path):
     sweep_dir, out = tmp_path / "sweep", tmp_path / "report"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce.py"), "--suite", "sinks2025", "--scale",

@@ -86,7 +86,8 @@ def reference(tmp_path_factory) -> dict[int, float]:
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["kill", "kill_mid_save", "term", "usr1", "usr1_start_up"])
+@pytest.mark.parametrize("case", ["kill", *(pytest.param(c, marks=pytest.mark.extended)
+                                           for c in ("kill_mid_save", "term", "usr1", "usr1_start_up"))])
 def test_fault_then_resume_equals_uninterrupted(tmp_path, reference, case):
     rng = random.Random(f"faults-{case}")
     run = tmp_path / "run"

@@ -226,7 +226,8 @@ def test_compile_matches_eager_in_bf16(tmp_path):
         assert compiled[s] == pytest.approx(eager[s], rel=1e-2), (s, compiled[s], eager[s])
 
 
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), CUDA])  # 4 runs: ~20-35 s on CPU
+# 4 runs: ~20-35 s on CPU
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=[pytest.mark.slow, pytest.mark.extended]), CUDA])
 def test_dcp_saved_on_device_loads_on_cpu_and_back(tmp_path, device):
     """Steps 1-4 on ``device`` (checkpoints at 2 and 4), 5-6 resumed on the CPU, 7-8 resumed on ``device``:
     each resumed stretch follows the uninterrupted ``device`` run within bf16 rounding."""

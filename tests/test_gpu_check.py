@@ -107,6 +107,7 @@ def test_several_parts_comma_separated_plan_together(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_dry_mode_runs_every_part_on_the_cpu(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--part", "all", "--dry"], cwd=tmp_path,

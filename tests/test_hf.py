@@ -427,6 +427,7 @@ def test_shards_hold_the_raw_token_stream_and_check_the_tokenizer(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.extended
 def test_shards_train_to_the_same_losses_as_raw_files(tmp_path):
     from tests.launch import TINY, assert_losses_close, train
 

@@ -15,7 +15,7 @@ from outlier_titan.lowprec.recipes import PRECISIONS, RECIPES
 from tests.launch import TINY, assert_losses_close, launch_workers, train
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.extended]
 
 
 def test_the_tensor_parallel_mlp_casts_like_one_rank(tmp_path):

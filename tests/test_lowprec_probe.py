@@ -327,7 +327,9 @@ def _dist_worker(rank: int, world: int, port: int, layouts: list, out_dir: str) 
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world,layouts", [(2, [(2, 1)]), (4, [(4, 1), (2, 2)])], ids=["fsdp2", "fsdp4-fsdp2xtp2"])
+@pytest.mark.parametrize("world,layouts",
+                         [(2, [(2, 1)]), pytest.param(4, [(4, 1), (2, 2)], marks=pytest.mark.extended)],
+                         ids=["fsdp2", "fsdp4-fsdp2xtp2"])
 def test_distributed_cast_metrics_equal_one_rank(world, layouts, tmp_path):
     """FSDP2 over 2 and 4 ranks and FSDP2 x TP2 (sequence parallel: feature- and sequence-sharded casts gathered)
     give the one-rank values of every cast metric, the gradient class included (gloo, CPU)."""

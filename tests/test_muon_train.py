@@ -12,7 +12,7 @@ import pytest
 
 from tests.launch import TINY, assert_losses_close, train
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.extended]
 
 STEPS = 10
 ARGS = [*TINY, "--training.steps", str(STEPS), "--lr_scheduler.total_steps", str(STEPS), "--optimizer.name", "muon",

@@ -13,7 +13,7 @@ import pytest
 
 from tests.launch import TINY, assert_losses_close, train
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.extended]
 
 ARGS = [*TINY, "--lr_scheduler.total_steps", "20"]
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "10"]

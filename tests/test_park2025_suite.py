@@ -93,6 +93,7 @@ def _rows(out: Path) -> dict[str, dict[str, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_park2025_smoke_report_comes_from_the_runs(tmp_path):
     sweep_dir, out = tmp_path / "sweep", tmp_path / "report"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce.py"), "--suite", "park2025", "--scale",

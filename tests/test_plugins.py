@@ -74,6 +74,7 @@ def test_evaluate_runs_the_plugin_scheme_and_metric(runs, tmp_path):
     assert "outliers/peak_to_rms" in report["probe"]
 
 
+@pytest.mark.extended
 def test_a_sweep_of_the_toys_collects_the_plugin_metric(tmp_path):
     sweep = tmp_path / "toys.toml"
     plugins = ", ".join(f'"{p}"' for p in PLUGINS)

@@ -86,7 +86,8 @@ def assert_same(got: tuple, ref: tuple, what: str) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world,layouts", [(2, [(1, 2, 1)]), (4, [(1, 4, 1), (2, 2, 1), (1, 2, 2)])],
+@pytest.mark.parametrize("world,layouts", [(2, [(1, 2, 1)]), pytest.param(4, [(1, 4, 1), (2, 2, 1), (1, 2, 2)],
+                                                                        marks=pytest.mark.extended)],
                          ids=["fsdp2", "fsdp4-hsdp2x2-fsdp2xtp2"])
 def test_distributed_probe_equals_one_rank(world, layouts, tmp_path):
     refs = {flavor: reference(flavor) for flavor in FLAVORS}

@@ -72,8 +72,9 @@ def _worker(rank: int, world: int, port: int, layouts: list, out_dir: str) -> No
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world,layouts", [(2, [(1, 2, 1, ("llama",))]),
-                                           (4, [(1, 4, 1, FLAVORS), (2, 2, 1, ("llama",)),
-                                                (1, 2, 2, FLAVORS + (OP_PRE_RMS,))])],
+                                           pytest.param(4, [(1, 4, 1, FLAVORS), (2, 2, 1, ("llama",)),
+                                                            (1, 2, 2, FLAVORS + (OP_PRE_RMS,))],
+                                                        marks=pytest.mark.extended)],
                          ids=["fsdp2", "fsdp4-hsdp2x2-fsdp2xtp2"])
 def test_distributed_gradient_metrics_equal_one_rank(world, layouts, tmp_path):
     refs = {flavor: reference(flavor) for flavor in FLAVORS + (OP_PRE_RMS,)

@@ -10,6 +10,8 @@ import pytest
 
 from tests.launch import TINY, assert_losses_close, train
 
+pytestmark = pytest.mark.extended
+
 CLIP = ["--training.steps", "8", "--optimizer.lr", "3e-3", "--remedies.qk_clip", "true",
         "--remedies.qk_clip_tau", "0.25", "--observe.every", "4", "--observe.batch_size", "4",
         "--remedies.tweo", "true", "--remedies.tweo_weight", "0.05", "--remedies.tweo_tau", "0.5"]

@@ -71,7 +71,8 @@ def franke_smoke(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("suite", ["kaul2024", "he2024", "franke2025"])
+@pytest.mark.parametrize("suite", [*(pytest.param(s, marks=pytest.mark.extended) for s in ("kaul2024", "he2024")),
+                                   "franke2025"])
 def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path, request):
     sweep_dir, out = (request.getfixturevalue("franke_smoke") if suite == "franke2025"
                       else _smoke(suite, tmp_path, "--parallel", "2"))
@@ -148,6 +149,7 @@ def test_smoke_suite_report_comes_from_the_runs(suite, tmp_path, request):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_gpu_dry_run_lists_the_papers_runs_on_1_and_8_gpus():
     expected = {"kaul2024": (8, "orthoadam_softmax1_rmsnorm_single"), "he2024": (8, "op_soap"),
                 "franke2025": (3, "angpt"), "sinks2025": (18, "orthoadam_softpick"),
@@ -310,6 +312,7 @@ def test_a_stopped_sweep_is_not_evaluated_or_reported(tmp_path, monkeypatch, cap
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_suite_finished_in_parts_adopts_the_earlier_parts_points_from_their_report_folder(tmp_path, franke_smoke):
     """--adopt: a report folder (e.g. committed after part of a suite ran on another machine) gives its finished,
     evaluated points to a new sweep folder; they are not trained or evaluated again, their numbers are unchanged,

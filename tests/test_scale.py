@@ -24,7 +24,8 @@ def reference(tmp_path_factory):
     return train(tmp_path_factory.mktemp("ref"), *TINY, "--model.flavor", "debug_llama").check()
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=pytest.mark.extended) if n in ("fsdp2", "hsdp2x2") else n
+                                    for n in sorted(LAYOUTS)])
 def test_layouts_match_world_size_one(tmp_path, reference, layout):
     nproc, extra = LAYOUTS[layout]
     run = train(tmp_path, *TINY, "--model.flavor", "debug_llama", *extra, nproc=nproc).check()
@@ -46,6 +47,7 @@ def test_activation_checkpointing_matches(tmp_path, reference, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_compile_matches_eager(tmp_path, reference):
     run = train(tmp_path, *TINY, "--model.flavor", "debug_llama", "--compile.enable", "true", timeout=900).check()
     assert_losses_close(run.losses, reference.losses, rtol=1e-4)
@@ -129,6 +131,7 @@ def test_tp_logits_stay_vocab_sharded_and_the_parallel_loss_is_exact():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_probe_metrics_are_the_same_at_every_layout(tmp_path):
     """observe.batch_size is global: 1 rank, FSDP 2 and FSDP 2 x TP 2 probe the same sequences and agree. The
     validation split (15 windows) is smaller than eval.steps global batches: every layout scores it whole, once,

@@ -107,6 +107,7 @@ def test_multinode_slurm_equals_torchrun(tmp_path, reference):
     assert losses(tmp_path / "a") == reference[0]
 
 
+@pytest.mark.extended
 def test_time_limit_preemption_requeues_until_done(tmp_path, reference):
     """--time=1 with the warning 15 s ahead: Slurm sends USR1 15-45 s into each allocation, the ranks save, the
     script requeues; the run needs ~50 s of steps (more than any one allocation gives), so at least one
@@ -151,6 +152,7 @@ def test_scancel_checkpoints_then_sbatch_resumes(tmp_path, reference):
     assert losses(tmp_path / "a") == reference[0]
 
 
+@pytest.mark.extended
 def test_an_exit_file_left_by_an_earlier_job_of_the_same_id_is_not_taken_for_this_jobs(tmp_path, reference):
     """A job scancel'ed while its script is killed can leave its launcher's exit file behind; a later job of the same
     id (a controller whose job ids started again, another cluster sharing /tmp: seen when both local clusters
@@ -177,6 +179,7 @@ def test_an_exit_file_left_by_an_earlier_job_of_the_same_id_is_not_taken_for_thi
     assert losses(tmp_path / "a") == reference[0]
 
 
+@pytest.mark.extended
 def test_a_stray_sigterm_to_the_job_step_requeues_and_never_completes_early(tmp_path, reference):
     """A SIGTERM that reaches the job step but not the batch script (as Slurm's retried signal for a
     dead node's step does after a requeue) makes the ranks save and exit 75; multinode.slurm did not ask for
@@ -196,6 +199,7 @@ def test_a_stray_sigterm_to_the_job_step_requeues_and_never_completes_early(tmp_
     assert losses(tmp_path / "a") == reference[0]
 
 
+@pytest.mark.extended
 def test_sweep_job_array_equals_run_local(tmp_path):
     """``sweep.py run --slurm`` submits a real job array (one task per point); the failing point is recorded as
     failed without stopping the others, and ``collect`` gives the table of ``run --local``."""

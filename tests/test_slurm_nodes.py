@@ -106,6 +106,7 @@ def test_two_nodes_one_rank_each_equal_the_standalone_launcher(tmp_path, referen
 
 
 @pytest.mark.parametrize("absence_s", [5, 45])
+@pytest.mark.extended
 def test_a_node_that_dies_and_comes_back_costs_a_requeue_not_the_run(tmp_path, reference, absence_s):
     """Node2 dies mid-run (every process killed at once); its slurmd is back 5 s later (before Slurm
     would mark it DOWN, SlurmdTimeout 30 s) or 45 s later (after). Rank 0 fails (exit 1), srun keeps waiting for
@@ -136,6 +137,7 @@ def test_a_node_that_dies_and_comes_back_costs_a_requeue_not_the_run(tmp_path, r
     assert losses(tmp_path / "a") == reference
 
 
+@pytest.mark.extended
 def test_hsdp_with_soap_across_nodes_equals_one_host(tmp_path):
     """HSDP with the replicas on different nodes (dp_replicate 2 over node1 / node2, dp_shard 2 inside
     each) and SOAP (its preconditioners beside the shards) give the losses of the same 4 ranks on one host."""
@@ -150,6 +152,7 @@ def test_hsdp_with_soap_across_nodes_equals_one_host(tmp_path):
     assert losses(tmp_path / "a") == ref and len(ref) == 8
 
 
+@pytest.mark.extended
 def test_usr1_before_the_time_limit_saves_on_both_nodes_and_requeues(tmp_path, reference):
     """Slurm's warning signal (USR1 to the batch script, as --signal=B:USR1@N sends it) reaches the
     ranks on both nodes, which save one checkpoint at the same step and exit 75; the job requeues, resumes from
@@ -172,6 +175,7 @@ def test_usr1_before_the_time_limit_saves_on_both_nodes_and_requeues(tmp_path, r
     assert losses(tmp_path / "a") == reference
 
 
+@pytest.mark.extended
 def test_sweep_array_points_span_two_nodes(tmp_path):
     """``sweep run --slurm --nodes 2`` runs each array point as one job on two nodes (one launcher per
     node, rendezvous on the first); the points finish and collect to the table of ``run --local --nproc 2``."""

@@ -179,6 +179,7 @@ OPTIONS = ["--model.flavor", "debug_llama", "--model.smooth_swiglu", "true"]
 
 
 @pytest.mark.dist
+@pytest.mark.extended
 def test_it_trains_equally_on_1_rank_fsdp2_and_fsdp2_tp2_and_like_the_plain_swiglu(tmp_path):
     runs = {layout: train(tmp_path, *TINY, *OPTIONS, *extra, nproc=nproc, name=layout).check()
             for layout, (nproc, extra) in LAYOUTS.items()}

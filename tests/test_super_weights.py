@@ -194,7 +194,9 @@ def _super_weight_metrics(probe: dict) -> list[str]:
 @pytest.mark.dist
 @pytest.mark.parametrize("world,layouts", [
     (2, [(1, 2, 1, ("gpt2", "llama"))]),
-    (4, [(1, 4, 1, ("llama",)), (1, 2, 2, ("gpt2", "llama", "smooth_swiglu"))])], ids=["fsdp2", "fsdp4-fsdp2xtp2"])
+    pytest.param(4, [(1, 4, 1, ("llama",)), (1, 2, 2, ("gpt2", "llama", "smooth_swiglu"))],
+                 marks=pytest.mark.extended)],
+    ids=["fsdp2", "fsdp4-fsdp2xtp2"])
 def test_tracked_super_weight_equal_at_1_2_4_ranks_and_tp(world, layouts, tmp_path):
     refs = {}
     for flavor in FLAVORS:

@@ -316,6 +316,7 @@ def _checkpoints(folder: Path) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_sigterm_then_kill_9_then_rerun_resumes(tmp_path):
     """SIGTERM to the sweep stops its trainer cleanly at a checkpoint; kill -9 of the sweep takes the trainer
     down with it (PDEATHSIG); a rerun skips the finished point and resumes the interrupted one."""
@@ -425,6 +426,7 @@ def test_slurm_print_only_script(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_slurm_fake_sbatch_equals_local(tmp_path, local_sweep):
     local_tmp, path, _, _ = local_sweep
     assert cli("collect", "out", cwd=local_tmp).returncode == 0

@@ -50,7 +50,7 @@ def test_fsdp2_two_ranks_equals_one_rank(tmp_path, baseline):
     assert_losses_close(two.losses, baseline.losses, rtol=1e-5)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.extended)])
 def test_resume_is_exact(tmp_path, baseline, nproc):
     first = train(tmp_path, *RESUME, "--training.steps", "10", nproc=nproc).check()
     assert sorted(first.losses) == list(range(1, 11))

@@ -39,6 +39,7 @@ def test_v_scale_and_head_norm_train_equally_on_1_rank_fsdp2_and_fsdp2_tp2(tmp_p
     spec.build(args).load_state_dict(weights, strict=True)
 
 
+@pytest.mark.extended
 def test_the_op_block_with_both_steps_trains_equally_on_1_rank_and_fsdp2_tp2(tmp_path):
     options = ["--model.name", "op", "--model.v_scale", "on", "--model.head_norm", "on"]
     runs = {layout: train(tmp_path, *TINY, *options, *extra, nproc=nproc, name=layout).check()

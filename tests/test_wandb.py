@@ -26,6 +26,7 @@ def wandb_records(run_file) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
+@pytest.mark.extended
 def test_offline_run_holds_the_scalars_images_and_config_and_a_resume_on_two_ranks_continues_it(tmp_path,
                                                                                                   monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
