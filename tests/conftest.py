@@ -23,26 +23,32 @@ def tok():
 # that CI's whole `.ci/run` stays inside its hour; `--extended` (or a -m expression naming the marker) runs them.
 def pytest_addoption(parser):
     parser.addoption("--extended", action="store_true",
-                     help="also run the tests marked `extended` (the whole suite; about twice the default's time)")
+                     help="also run the tests marked `extended` (the whole suite; 2.4 times the default's time)")
 
 
 def _extended_wanted(config) -> bool:
+    # a -m expression that names the marker (`-m extended`, `-m "not extended"`) does the selecting itself
     return config.getoption("--extended") or "extended" in (config.getoption("markexpr") or "")
+
+
+_LEFT_OUT = pytest.StashKey[int]()
 
 
 def pytest_collection_modifyitems(config, items):
     if _extended_wanted(config):
         return
-    left_out = [item for item in items if item.get_closest_marker("extended")]
+    kept, left_out = [], []
+    for item in items:
+        (left_out if item.get_closest_marker("extended") else kept).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
-        items[:] = [item for item in items if not item.get_closest_marker("extended")]
-        config._extended_left_out = len(left_out)
+        items[:] = kept
+        config.stash[_LEFT_OUT] = len(left_out)
 
 
 @pytest.hookimpl(trylast=True)  # after the durations and the short summary, just above the counts
 def pytest_terminal_summary(terminalreporter, config):
-    n = getattr(config, "_extended_left_out", 0)
+    n = config.stash.get(_LEFT_OUT, 0)
     if n:
         tests = f"{n} test{'s' if n != 1 else ''}"
         terminalreporter.write_line(f"the extended tier ({tests} marked `extended`) was left out; "
