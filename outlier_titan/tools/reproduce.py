@@ -8,7 +8,7 @@
     outlier-titan-reproduce --suite kaul2024 --scale cpu --report-only    # after the Slurm array finished
     outlier-titan-reproduce --suite he2024 --scale gpu --dry-run          # the papers' runs on 1 and 8 GPUs
     outlier-titan-reproduce --suite he2024 --scale cpu --adopt reports/he2024-cpu  # go on from another machine's part
-    outlier-titan-reproduce --suite he2024 --scale tiles --adopt reports/he2024-cpu  # take the points they share
+    outlier-titan-reproduce --suite he2024 --scale tiles --adopt reports/he2024-tuned  # take the points they share
 
 The suites are sweep files under ``train_configs/suites/<suite>/<scale>.toml`` (each suite's scales are listed
 below; what each scale is: ``outlier_titan/study/suite_files.py``); the run folders go to
