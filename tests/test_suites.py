@@ -52,12 +52,17 @@ def test_cpu_and_synthetic_scales_run_three_seeds_per_setting(path):
     assert len(seeds) >= 3 and "seed" in sweep.axes
 
 
-@pytest.mark.parametrize("suite, source, seeds", [("kaul2024", "tuned", 5), ("he2024", "cpu", 3)])
-def test_the_tile_study_shares_its_baseline_and_whole_axis_points_with_another_scale(suite, source, seeds,
+@pytest.mark.parametrize("suite, source, arms, seeds", [
+    ("kaul2024", "tuned", ("adam", "orthoadam"), 5),
+    ("he2024", "cpu", ("pre_ln_adamw", "op_soap"), 3),
+    ("he2024", "tuned", ("op_soap",), 5),  # the baseline is tuned at 1e-3, the study runs it at 3e-3
+])
+def test_the_tile_study_shares_its_baseline_and_whole_axis_points_with_another_scale(suite, source, arms, seeds,
                                                                                      tmp_path):
     """Their configs (learning rates from the lr search applied) equal that scale's, checkpointing aside, so
     ``--adopt reports/<suite>-<source>`` takes them instead of training them twice; the tiled points are the
-    study's own. kaul2024's study runs at the tuned lrs, he2024's at the cpu scale's provoking one."""
+    study's own. kaul2024's study runs at the tuned lrs, he2024's at the cpu scale's provoking one, which is OP +
+    SOAP's tuned lr too."""
     from outlier_titan.study.plan import _config_diff, build_manifest
     from outlier_titan.study.adopt import ADOPT_IGNORES
     from outlier_titan.study.suite_files import suite_sweep
@@ -67,4 +72,4 @@ def test_the_tile_study_shares_its_baseline_and_whole_axis_points_with_another_s
     for e in build_manifest(suite_sweep(suite, "tiles"), tmp_path / "tiles")["points"]:
         if any(not _config_diff(c, e["config"], ignore=ADOPT_IGNORES) for c in other):
             shared.add(e["name"])
-    assert shared == {n for n in shared if "_t0_" in n} and len(shared) == 2 * seeds, shared
+    assert shared == {f"{arm}_t0_s{seed}" for arm in arms for seed in range(seeds)}, shared
