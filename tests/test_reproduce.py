@@ -336,7 +336,7 @@ def test_a_suite_finished_in_parts_adopts_the_earlier_parts_points_from_their_re
     assert _rows(again) == rows
     assert not list((tmp_path / "b").rglob("checkpoints")) and not list((tmp_path / "b").rglob("eval.log"))
     report = (again / "report.md").read_text()
-    assert f"3 points were trained and evaluated by an earlier run and adopted from its report folder `{first}`" in report
+    assert f"3 points were trained and evaluated by an earlier run and adopted from its report folder `{first.name}`, outside the repository" in report
     without_anatomy = re.sub(r"## Where the large activations sit.*?(?=## Appendix)", "", report, flags=re.S)
     assert without_anatomy.split("## Verdicts")[1] == (first / "report.md").read_text().split("## Verdicts")[1]
     assert list((again / "figures").glob("hidden_*.png"))
@@ -363,8 +363,8 @@ def test_a_suite_finished_in_parts_adopts_the_earlier_parts_points_from_their_re
     assert not (points / "pre_ln" / "checkpoints").exists()
     assert (points / "angpt" / "checkpoints").is_dir() and (points / "ngpt" / "checkpoints").is_dir()
     assert _rows(tmp_path / "report-c")["pre_ln"] == rows["pre_ln"]
-    assert (f"1 point was trained and evaluated by an earlier run and adopted from its report folder `{first}` "
-            "(`--adopt`; under another name there: pre_ln = gptplus_elsewhere).") in \
+    assert (f"1 point was trained and evaluated by an earlier run and adopted from its report folder `{first.name}`, "
+            "outside the repository (`--adopt`; under another name there: pre_ln = gptplus_elsewhere).") in \
         (tmp_path / "report-c" / "report.md").read_text()
     assert (tmp_path / "report-c" / "figures" / "hidden_pre_ln.png").is_file()
     # trained with the same seed and config as the first run, so the same numbers (single-threaded CPU)

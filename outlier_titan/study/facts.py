@@ -224,8 +224,10 @@ def trained_by(sweep_dir: Path, rows: list[dict[str, Any]], own: Path | None = N
     took = ""
     for src, pairs in adopted.items():
         renamed = [f"{ours} = {theirs}" for ours, theirs in pairs if ours != theirs]
+        # a folder outside the repository (a scratch copy on the machine that ran it) is named, not its path
+        where = f"`{src}`" if not Path(src).is_absolute() else f"`{Path(src).name}`, outside the repository"
         took += (f" {len(pairs)} point{'s were' if len(pairs) != 1 else ' was'} trained and evaluated by an earlier "
-                 f"run and adopted from its report folder `{src}` (`--adopt`"
+                 f"run and adopted from its report folder {where} (`--adopt`"
                  + (f"; under another name there: {', '.join(renamed)}" if renamed else "") + ").")
     if not codes:
         return "the code that trained the points is not recorded in their `sweep_state.json`." + took
