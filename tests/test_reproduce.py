@@ -302,13 +302,41 @@ def test_a_stopped_sweep_is_not_evaluated_or_reported(tmp_path, monkeypatch, cap
     from outlier_titan.study import runner
     from outlier_titan.tools import reproduce as tool
 
-    monkeypatch.setattr(runner, "run_points", lambda sweep_dir, manifest, parallel: {
+    monkeypatch.setattr(runner, "run_points", lambda sweep_dir, manifest, indices, parallel: {
         p["name"]: "done" if i == 0 else "pending" for i, p in enumerate(manifest["points"])})
     monkeypatch.setattr(study, "build_report", lambda *a: pytest.fail("reported a stopped sweep"))
     rc = tool.main(["--suite", "kaul2024", "--scale", "smoke", "--sweep-dir", str(tmp_path / "s"), "--out",
                     str(tmp_path / "r")])
     assert rc == 1 and not (tmp_path / "r").exists()
     assert "no evaluation or report; the same command resumes" in capsys.readouterr().err
+
+
+def test_only_trains_the_matching_points_then_reports_the_finished_ones(tmp_path, monkeypatch, capsys):
+    """--only PATTERN (repeatable) hands run_points the matching points alone and then evaluates and reports; a
+    pattern that matches nothing, or --only with --report-only, is a one-line error before anything is planned."""
+    from outlier_titan.study import reproduce as study
+    from outlier_titan.study import runner
+    from outlier_titan.tools import reproduce as tool
+
+    seen = {}
+
+    def fake_run_points(sweep_dir, manifest, indices, parallel):
+        seen["names"] = [manifest["points"][i]["name"] for i in indices]
+        return {name: "done" for name in seen["names"]}
+
+    monkeypatch.setattr(runner, "run_points", fake_run_points)
+    monkeypatch.setattr(study, "build_report", lambda *a: seen.setdefault("reported", tmp_path / "report.md"))
+    (tmp_path / "report.md").write_text("# report\n")
+    base = ["--suite", "franke2025", "--scale", "lr", "--sweep-dir", str(tmp_path / "s"), "--out", str(tmp_path / "r")]
+    assert tool.main([*base, "--only", "angpt_*", "--only", "pre_ln_lr0.008_s0"]) == 0
+    assert seen["names"] == ["angpt_lr0.001_s0", "angpt_lr0.002_s0", "angpt_lr0.004_s0", "pre_ln_lr0.008_s0",
+                             "angpt_lr0.008_s0"] and seen["reported"]
+    capsys.readouterr()
+    assert tool.main([*base, "--only", "gptplus_*"]) == 2
+    err = capsys.readouterr().err
+    assert "--only 'gptplus_*' matches none of the suite's points; they are: pre_ln_lr0.001_s0, " in err
+    assert tool.main([*base, "--only", "angpt_*", "--report-only"]) == 2
+    assert "does not apply with --report-only" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@
     outlier-titan-reproduce --suite he2024 --scale gpu --dry-run          # the papers' runs on 1 and 8 GPUs
     outlier-titan-reproduce --suite he2024 --scale cpu --adopt reports/he2024-cpu  # go on from another machine's part
     outlier-titan-reproduce --suite he2024 --scale tiles --adopt reports/he2024-tuned  # take the points they share
+    outlier-titan-reproduce --suite franke2025 --scale lr --only 'angpt_*'  # train these points, report the finished
 
 The suites are sweep files under ``train_configs/suites/<suite>/<scale>.toml`` (each suite's scales are listed
 below; what each scale is: ``outlier_titan/study/suite_files.py``); the run folders go to
@@ -17,14 +18,17 @@ below; what each scale is: ``outlier_titan/study/suite_files.py``); the run fold
 finished points and evaluations. ``--adopt DIR`` takes over the finished, evaluated points of a report folder
 written by an earlier run (on any machine, e.g. committed after a part of the suite ran, or another suite's report
 that ran the same configs), so a suite can be run in parts; each adopted point's config is checked against the
-suite's. ``--report-only --adopt reports/X --out reports/X`` re-renders a committed report from its own runs (as
-they were evaluated) with the current report code, and refuses before writing anything if a point would be lost.
+suite's. ``--only PATTERN`` (repeatable, shell-style on point names) trains only the matching points, so a part that
+fits the time left ends evaluated and reported. ``--report-only --adopt reports/X --out reports/X`` re-renders a
+committed report from its own runs (as they were evaluated) with the current report code, and refuses before writing
+anything if a point would be lost.
 See ``outlier_titan/study/reproduce.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import shlex
 import subprocess
 import sys
@@ -44,6 +48,16 @@ def _scales_table() -> str:
     width = max(map(len, SUITE_NAMES))
     return "\nScales each suite has:\n" + "".join(
         f"  {name:<{width}}  {', '.join(suite_scales(name))}\n" for name in SUITE_NAMES)
+
+
+def only_indices(manifest: dict, patterns: list[str]) -> list[int]:
+    """The indices of the planned points whose name matches one of ``patterns`` (``--only``); a pattern that
+    matches no point is a UserError naming the points."""
+    names = [e["name"] for e in manifest["points"]]
+    for pat in patterns:
+        if not fnmatch.filter(names, pat):
+            raise UserError(f"--only {pat!r} matches none of the suite's points; they are: {', '.join(names)}")
+    return [i for i, name in enumerate(names) if any(fnmatch.fnmatchcase(name, pat) for pat in patterns)]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -66,6 +80,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="take over the finished, evaluated points of this report folder (an earlier run of the "
                         "suite, e.g. on another machine, or a suite sharing points) instead of training them "
                         "again; repeatable")
+    p.add_argument("--only", action="append", default=[], metavar="PATTERN",
+                   help="train only the points whose name matches this shell-style pattern (e.g. 'angpt_*'; "
+                        "repeatable), then evaluate and report every finished point; --dry-run lists the names")
     p.add_argument("--dry-run", action="store_true",
                    help="plan only: the points (gpu scale: per-GPU memory and time on 1 and 8 GPUs)")
     p.add_argument("--tokenizer", default=None, help="gpu --dry-run: plan with this data.tokenizer (offline)")
@@ -110,9 +127,12 @@ def run(args: argparse.Namespace) -> int:
         if not Path(src).is_dir():
             raise UserError(f"--adopt {src}: no such folder; name a report folder written by scripts/reproduce.py "
                             f"(e.g. reports/{tag})")
+    if args.only and (args.report_only or args.slurm):
+        raise UserError("--only chooses the points to train here; it does not apply with --report-only or --slurm")
     if not args.report_only or args.adopt:
         manifest, _ = write_plan(suite_sweep(args.suite, args.scale), sweep_dir, force=args.force)
         print(plan_table(manifest), file=sys.stderr)
+    indices = only_indices(manifest, args.only) if args.only else None
     if args.adopt:
         from outlier_titan.study.adopt import adopt_points
         from outlier_titan.study.suites import SUITE_INFO
@@ -140,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             return rc
         from outlier_titan.study.runner import run_points
 
-        result = run_points(sweep_dir, manifest, parallel=args.parallel)
+        result = run_points(sweep_dir, manifest, indices, parallel=args.parallel)
         n_done = list(result.values()).count("done")
         print(f"sweep {sweep_dir}: {n_done} of {len(result)} points done", file=sys.stderr)
         pending = list(result.values()).count("pending")
