@@ -313,7 +313,7 @@ def test_a_stopped_sweep_is_not_evaluated_or_reported(tmp_path, monkeypatch, cap
 
 def test_only_trains_the_matching_points_then_reports_the_finished_ones(tmp_path, monkeypatch, capsys):
     """--only PATTERN (repeatable) hands run_points the matching points alone and then evaluates and reports; a
-    pattern that matches nothing, or --only with --report-only, is a one-line error before anything is planned."""
+    pattern that matches nothing, or --only with --report-only, is a one-line error before anything is trained."""
     from outlier_titan.study import reproduce as study
     from outlier_titan.study import runner
     from outlier_titan.study.plan import read_manifest

@@ -54,10 +54,13 @@ def only_indices(manifest: dict, patterns: list[str]) -> list[int]:
     """The indices of the planned points whose name matches one of ``patterns`` (``--only``); a pattern that
     matches no point is a UserError naming the points."""
     names = [e["name"] for e in manifest["points"]]
+    chosen: set[int] = set()
     for pat in patterns:
-        if not fnmatch.filter(names, pat):
+        matched = {i for i, name in enumerate(names) if fnmatch.fnmatchcase(name, pat)}
+        if not matched:
             raise UserError(f"--only {pat!r} matches none of the suite's points; they are: {', '.join(names)}")
-    return [i for i, name in enumerate(names) if any(fnmatch.fnmatchcase(name, pat) for pat in patterns)]
+        chosen |= matched
+    return sorted(chosen)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
