@@ -136,7 +136,8 @@ def test_a_second_search_on_the_cpu_recipe_is_a_search_of_its_own(tmp_path, monk
 
 
 @pytest.mark.parametrize("suite,scale,search_scale,n_seeds", [
-    ("he2024", "tuned", "lr", 5), ("kaul2024", "tuned", "lr", 5), ("park2025", "tuned", "lr", 5),
+    ("franke2025", "tuned", "lr", 5), ("he2024", "tuned", "lr", 5), ("kaul2024", "tuned", "lr", 5),
+    ("park2025", "tuned", "lr", 5),
     ("sinks_vs_massive2026", "synthetic", "lr", 3), ("sinks_vs_massive2026", "cpu", "cpu_lr", 3)])
 def test_a_tuned_scale_runs_every_arm_at_its_searched_lr_as_the_search_trained_it(suite, scale, search_scale,
                                                                                    n_seeds):
