@@ -170,3 +170,29 @@ def test_a_tuned_report_says_its_claims_about_arms_it_did_not_run_stay_the_cpu_s
     note = scale_note("park2025", "tuned")
     assert note[0].startswith("**Tuned:**") and "own best learning rate" in note[0]
     assert "(`reports/park2025-cpu`)" in note[0] and note[1] == ""
+
+
+@pytest.mark.slow
+def test_an_lr_search_report_puts_no_paper_row_beside_an_untuned_grid_point(tmp_path):
+    """A search's first grid point per setting is not its best lr (franke2025's anGPT vs GPT+ speed-up at 1e-3 is
+    against an untuned GPT+): the committed franke2025 search, re-rendered from its runs, names the tuned scale
+    instead of comparing the paper with such a point; a suite whose search nothing reads yet says so."""
+    import subprocess
+    import sys
+
+    from outlier_titan.study.report import paper_rows_elsewhere
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "lr"
+    proc = subprocess.run([sys.executable, "-m", "outlier_titan.tools.reproduce", "--suite", "franke2025", "--scale",
+                           "lr", "--report-only", "--adopt", str(repo / "reports" / "franke2025-lr"), "--out",
+                           str(out)], capture_output=True, text=True, cwd=repo, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    section = (out / "report.md").read_text().split("## The paper's numbers beside ours")[1].split("## ")[0]
+    assert "| paper row |" not in section and "_lr0.001_s0" not in section
+    assert section.strip() == paper_rows_elsewhere("franke2025", "lr")
+    assert "[`tuned`](../franke2025-tuned/report.md)" in section
+    assert "[`tuned`](../kaul2024-tuned/report.md), [`tiles`](../kaul2024-tiles/report.md)" in paper_rows_elsewhere(
+        "kaul2024", "lr")
+    assert paper_rows_elsewhere("franke2025", "cpu_lr").endswith("No scale of this suite runs at this search's "
+                                                                  "choice yet.")

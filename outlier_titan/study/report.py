@@ -15,7 +15,7 @@ from outlier_titan.study.report_figures import trajectory_figures
 from outlier_titan.study.report_sections import (anatomy_section, peaks_table, ptq_table, tile_grid_section,
                                                  tile_study_section)
 from outlier_titan.study.rules import RULES_TEXT, sources
-from outlier_titan.study.suite_files import LR_SEARCH_SCALES, lr_choice, suite_file_keys
+from outlier_titan.study.suite_files import LR_SEARCH_SCALES, lr_choice, suite_file_keys, suite_scales
 from outlier_titan.study.suites import SUITES
 
 
@@ -122,20 +122,22 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
         lines += ["", stats.chance_calls([v for _, v, _ in claims]), "",
                   "Thresholds and where they come from:", "", *sources(suite_def.thresholds)]
     headers = list(info.metrics.values())
-    if info.rows:
+    if info.rows and searching:  # a grid's first point per setting is not its best lr: no like-for-like row
+        lines += ["", "## The paper's numbers beside ours", "", paper_rows_elsewhere(suite, scale), ""]
+    elif info.rows:
         lines += ["", "## The paper's numbers beside ours", "",
                   "Each row: the paper's setting, then `paper / ours` per metric (ours: mean ± sd over seeds of the "
                   "setting with those axes; — where a side has no number).", "",
                   "| paper row | source | our point | " + " | ".join(headers) + " |",
                   "|---|---|---|" + "---|" * len(headers)]
-    for pr in info.rows:
+    for pr in info.rows if not searching else ():
         r = first_match(groups, pr.axes)
         cells = [f"{format_value(pr.paper.get(m))} / {format_value(r.get(m) if r else None)}" for m in info.metrics]
         lines.append(f"| {pr.label} | {pr.source} | {r['point'] if r else 'not in this suite'} | "
                      + " | ".join(cells) + " |")
     lines += ["", "Ours: PPL is `scripts/evaluate.py`'s full-precision perplexity; probe metrics are the last "
               "probe step of training (mean over blocks); Δppl are `scripts/evaluate.py`'s schemes.", ""
-              ] if info.rows else [""]
+              ] if info.rows and not searching else [""]
     lines += ptq_table(groups, info, rows)
     lines += ["",
               "## Trajectories", ""]
@@ -164,6 +166,16 @@ def write_report(suite: str, scale: str, sweep_dir: Path, out: Path, manifest: d
     path.write_text("\n".join(lines) + "\n")
     return path
 
+
+
+def paper_rows_elsewhere(suite: str, scale: str) -> str:
+    """Where an lr search's paper-vs-ours rows are: the scales that run at the lr this search chooses."""
+    readers = [s for s in suite_scales(suite) if suite_file_keys(suite, s).get("lr_from") == scale]
+    where = ", ".join(f"[`{s}`](../{suite}-{s}/report.md)" for s in readers)
+    return ("Not in a learning-rate search: a setting's first grid point is not its best lr, so a row here would "
+            "compare the paper with an untuned point. "
+            + (f"The paper's rows stand beside ours where the search's choice is run: {where}." if readers else
+               "No scale of this suite runs at this search's choice yet."))
 
 
 def manifest_steps(manifest: dict[str, Any], name: str) -> int:
