@@ -207,6 +207,25 @@ def test_plan_table_budget_and_replan(tmp_path):
     assert sorted(p.name.rsplit("-", 2)[0] for p in (tmp_path / "out" / "replaced").iterdir()) == sorted(names)
 
 
+def test_a_replan_keeps_the_config_a_finished_point_recorded(tmp_path):
+    """Re-planning a folder (a resumed sweep, a report re-rendered from its runs) rewrites the config of a point
+    still to run, never that of a finished one: its config.toml is the record of what trained it."""
+    from outlier_titan.study.plan import point_dir, write_plan
+    from outlier_titan.study.runner import write_state
+    from outlier_titan.study.spec import load_sweep
+
+    sweep = load_sweep(write(tmp_path, THREE))
+    manifest, _ = write_plan(sweep, tmp_path / "out")
+    done, todo = (point_dir(tmp_path / "out", e["name"]) for e in manifest["points"][:2])
+    recorded = (done / "config.toml").read_text().replace("[job]", "# as the run wrote it\n[job]")
+    (done / "config.toml").write_text(recorded)
+    write_state(done, {"status": "done"})
+    (todo / "config.toml").write_text("# left by an older plan\n")
+    write_plan(sweep, tmp_path / "out")
+    assert (done / "config.toml").read_text() == recorded
+    assert (todo / "config.toml").read_text() == manifest["points"][1]["config"]
+
+
 # ------------------------------------------------------------------------------------------ run --local
 
 @pytest.fixture(scope="module")

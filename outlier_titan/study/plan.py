@@ -154,10 +154,13 @@ def write_plan(sweep: Sweep, sweep_dir: str | Path, force: bool = False) -> tupl
                 shutil.move(str(src), str(dst))
     elif sweep_dir.exists() and any(sweep_dir.iterdir()):
         raise SweepError(f"--out {sweep_dir} exists and is not a sweep folder; choose a new or empty folder")
+    from outlier_titan.study.runner import read_state
+
     for entry in manifest["points"]:
         folder = point_dir(sweep_dir, entry["name"])
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.toml").write_text(entry["config"])
+        if read_state(folder).get("status") != "done":  # a finished point keeps the config its run recorded
+            (folder / "config.toml").write_text(entry["config"])
     (sweep_dir / "sweep.toml").write_text(sweep.text)
     tmp = sweep_dir / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")
