@@ -129,6 +129,21 @@ def plan_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], l
     return lines, sorted(stale)
 
 
+STATE = "sweep_state.json"
+"""A point's run record (status, pid, code, versions), in its folder."""
+
+
+def read_state(folder: Path) -> dict[str, Any]:
+    """A point's run record, or {} where it has none (or a torn one)."""
+    path = folder / STATE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return {}
+
+
 def write_plan(sweep: Sweep, sweep_dir: str | Path, force: bool = False) -> tuple[dict[str, Any], list[str]]:
     """Writes (or re-writes) the sweep folder; returns the manifest and the list of changes.
 
@@ -154,8 +169,6 @@ def write_plan(sweep: Sweep, sweep_dir: str | Path, force: bool = False) -> tupl
                 shutil.move(str(src), str(dst))
     elif sweep_dir.exists() and any(sweep_dir.iterdir()):
         raise SweepError(f"--out {sweep_dir} exists and is not a sweep folder; choose a new or empty folder")
-    from outlier_titan.study.runner import read_state
-
     for entry in manifest["points"]:
         folder = point_dir(sweep_dir, entry["name"])
         folder.mkdir(parents=True, exist_ok=True)

@@ -42,24 +42,13 @@ from outlier_titan.observe.logger import read_metrics
 from outlier_titan.packaged import child_environment
 from outlier_titan.data.sources import embedded_fingerprint
 from outlier_titan.provenance import code_version, runtime_versions
-from outlier_titan.study.plan import point_dir
+from outlier_titan.study.plan import STATE, point_dir, read_state
 
-STATE = "sweep_state.json"
 LOG = "train.log"
 PR_SET_PDEATHSIG = 1
 
 
 # ------------------------------------------------------------------------------------------------ state
-
-def read_state(folder: Path) -> dict[str, Any]:
-    path = folder / STATE
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return {}
-
 
 def write_state(folder: Path, state: dict[str, Any]) -> None:
     tmp = folder / f".{STATE}.tmp"
